@@ -1,0 +1,43 @@
+# fleetcache: the two set-up commands are `make serve` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: install serve test test-fast check format bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build (docs/FACTS).
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test,dev,onnx]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	FLEETCACHE_ENGINE=$${FLEETCACHE_ENGINE:-torch} \
+	FLEETCACHE_STORE=$${FLEETCACHE_STORE:-lmdb} \
+	FLEETCACHE_DEMO_DRIVERS=$${FLEETCACHE_DEMO_DRIVERS:-2000} \
+	HF_HUB_OFFLINE=1 $(BIN)/fleetcache serve --host $(HOST) --port $(PORT)
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -q
+
+test-fast: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -m "not model"
+
+check: $(STAMP)
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) data .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,113 @@
+"""The one small interface every inference engine implements.
+
+Exceptions::
+
+    EngineError                 anything an engine or the batcher raises on purpose
+     +-- EngineUnavailableError the engine cannot be loaded here (missing extra, no GPU)
+     +-- QueueFullError         the batcher's bounded queue is full (the proxy answers 429)
+     +-- DeadlineExceededError  an item's deadline passed before it reached the engine
+
+An engine turns texts into L2-normalised float32 vectors in three steps: ``tokenize`` (CPU, any
+thread), ``forward`` (the device, called from the batcher's single engine thread) and
+``postprocess`` (to a contiguous ``(n, dim)`` float32 array of unit rows). ``embed`` runs the
+three. ``fingerprint`` names everything that changes the vectors: two engines with the same
+fingerprint give interchangeable vectors, and the cache namespace is derived from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+Vectors = npt.NDArray[np.float32]
+
+
+class EngineError(RuntimeError):
+    """An engine failed; the waiters of the batch that hit it get this error."""
+
+
+class EngineUnavailableError(EngineError):
+    """The engine cannot run here; the message says what is missing (extra, GPU, file)."""
+
+
+class QueueFullError(EngineError):
+    """The batcher's queue is full; retry later (HTTP 429)."""
+
+
+class DeadlineExceededError(EngineError):
+    """The item waited past its deadline and was dropped before the engine saw it."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    kind: str  # tensorrt | torch | onnxruntime | fake
+    device: str  # "cpu", "cuda:0 (NVIDIA H200)", ...
+    precision: str  # fp32 | fp16
+    model: str  # model name or path
+    dim: int
+    max_seq_length: int
+    fingerprint: str
+
+
+@dataclass
+class Batch:
+    """What ``tokenize`` hands to ``forward``: engine-specific tensors plus the count."""
+
+    size: int
+    tokens: int  # real (unpadded) tokens in the batch, for token budgets
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+def make_fingerprint(**parts: object) -> str:
+    """A short stable hash of everything that changes the vectors (sorted key=value pairs)."""
+    text = ";".join(f"{k}={parts[k]}" for k in sorted(parts))
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+class Engine(ABC):
+    """Base class; subclasses set ``info`` in ``__init__`` and load weights in ``load``."""
+
+    info: EngineInfo
+
+    @property
+    def fingerprint(self) -> str:
+        return self.info.fingerprint
+
+    @property
+    def dim(self) -> int:
+        return self.info.dim
+
+    def load(self) -> None:  # noqa: B027 - optional hook
+        """Load weights and allocate buffers (called once, off the event loop)."""
+
+    def warmup(self) -> None:
+        """Run every shape the engine will see so no request pays for first-use costs."""
+        self.embed(["warm-up"] * 4)
+
+    @abstractmethod
+    def tokenize(self, texts: Sequence[str]) -> Batch: ...
+
+    @abstractmethod
+    def forward(self, batch: Batch) -> Any: ...
+
+    def postprocess(self, output: Any, batch: Batch) -> Vectors:
+        vectors = np.ascontiguousarray(np.asarray(output, dtype=np.float32))
+        norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+        return vectors / np.maximum(norms, 1e-12)
+
+    def embed(self, texts: Sequence[str]) -> Vectors:
+        batch = self.tokenize(texts)
+        return self.postprocess(self.forward(batch), batch)
+
+    def health(self) -> dict[str, Any]:
+        """Cheap liveness facts for /readyz and /v1/stats; never raises."""
+        return {"ok": True}
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release device memory, streams and threads."""

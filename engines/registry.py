@@ -1,0 +1,88 @@
+"""Engines by name: a registry of lazy factories.
+
+Each factory imports its engine module only when called and first checks that the optional
+packages it needs are installed, so a missing extra is an ``EngineUnavailableError`` naming
+what to install, never an ImportError deep inside a load. Nothing here installs anything.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from typing import Any
+
+from engines.base import Engine, EngineUnavailableError
+
+EngineFactory = Callable[..., Engine]
+
+
+def _require(kind: str, modules: tuple[str, ...], install: str) -> None:
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    if missing:
+        raise EngineUnavailableError(
+            f"engine {kind!r} needs the python package(s) {', '.join(missing)}: {install}"
+        )
+
+
+def _fake(**options: Any) -> Engine:
+    from engines.fake import FakeEngine
+
+    return FakeEngine(**options)
+
+
+def _torch(**options: Any) -> Engine:
+    _require(
+        "torch",
+        ("torch", "sentence_transformers"),
+        "pip install torch sentence-transformers (on CPU: pip install torch==2.13.0 first)",
+    )
+    from engines.torch_engine import TorchEngine
+
+    if options.get("device", "auto") == "auto":
+        import torch
+
+        options["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    return TorchEngine(**options)
+
+
+def _onnxruntime(**options: Any) -> Engine:
+    raise EngineUnavailableError(
+        "engine 'onnxruntime' is not implemented yet (planned: issue 4); "
+        "it will need pip install 'fleetcache[onnx]'. Use engine 'torch' on CPU for now."
+    )
+
+
+def _tensorrt(**options: Any) -> Engine:
+    raise EngineUnavailableError(
+        "engine 'tensorrt' is not implemented yet (planned: issue 4); it will need an NVIDIA "
+        "GPU and TensorRT (pip install 'fleetcache[tensorrt-rtx]' on RTX-class GPUs). "
+        "Use engine 'torch' with device='cuda' for now."
+    )
+
+
+_FACTORIES: dict[str, EngineFactory] = {
+    "fake": _fake,
+    "onnxruntime": _onnxruntime,
+    "tensorrt": _tensorrt,
+    "torch": _torch,
+}
+
+
+def engine_kinds() -> tuple[str, ...]:
+    """The names ``create_engine`` accepts."""
+    return tuple(sorted(_FACTORIES))
+
+
+def create_engine(kind: str, **options: Any) -> Engine:
+    """A new, not yet loaded engine of ``kind``; ``options`` go to its constructor.
+
+    Raises ``ValueError`` for an unknown kind and ``EngineUnavailableError`` when the kind
+    cannot run here (missing package, not implemented yet).
+    """
+    try:
+        factory = _FACTORIES[kind]
+    except KeyError:
+        raise ValueError(
+            f"unknown engine kind {kind!r}; known kinds: {', '.join(engine_kinds())}"
+        ) from None
+    return factory(**options)

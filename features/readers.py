@@ -1,0 +1,327 @@
+"""DriverRecords in and out of JSONL, CSV and Parquet files (``warmup``, ``gen-fleet``).
+
+Reading streams: a file of any size is read a line (JSONL, CSV) or a batch of ``chunk_size``
+rows (Parquet) at a time, in constant memory. A bad row never stops the job: it comes back as
+a ``Row`` whose ``error`` names the field (``vehicle.capacity_kg: Input should be greater than
+or equal to 0``) and whose ``line`` says where it is, so warm-up can skip it and report it.
+
+CSV and flat Parquet share one layout, ``FLAT_COLUMNS``: one column per field, named by its
+dotted path (``position.lat``, ``vehicle.capacity_kg``, ``profile.certifications``). An empty
+cell means "absent" (the model's default applies, or a required field is reported missing);
+list cells are ``;``-separated; booleans read ``true/false/1/0/yes/no``. Parquet files may
+instead use nested struct columns (``position``, ``vehicle``, ``profile``); both are read.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Literal
+
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pydantic import ValidationError
+
+from features.models import DriverRecord
+
+Format = Literal["jsonl", "csv", "parquet"]
+_EXTENSIONS: dict[str, Format] = {
+    ".jsonl": "jsonl",
+    ".ndjson": "jsonl",
+    ".json": "jsonl",
+    ".csv": "csv",
+    ".parquet": "parquet",
+    ".pq": "parquet",
+}
+
+FLAT_COLUMNS: tuple[str, ...] = (
+    "driver_id",
+    "status",
+    "position.lat",
+    "position.lng",
+    "position.ts",
+    "vehicle.vehicle_id",
+    "vehicle.type",
+    "vehicle.energy",
+    "vehicle.capacity_kg",
+    "vehicle.cargo_volume_m3",
+    "vehicle.cargo_height_m",
+    "vehicle.refrigerated",
+    "vehicle.tail_lift",
+    "profile.on_time_rate",
+    "profile.damage_rate",
+    "profile.service_score",
+    "profile.completed_orders",
+    "profile.certifications",
+    "profile.languages",
+    "profile.home_zone",
+)
+LIST_COLUMNS = frozenset({"profile.certifications", "profile.languages"})
+LIST_SEPARATOR = ";"
+
+# Typed columns, so that an all-empty column still has the right type in the file.
+PARQUET_SCHEMA = pa.schema(
+    [
+        ("driver_id", pa.string()),
+        ("status", pa.string()),
+        ("position.lat", pa.float64()),
+        ("position.lng", pa.float64()),
+        ("position.ts", pa.timestamp("us", tz="UTC")),
+        ("vehicle.vehicle_id", pa.string()),
+        ("vehicle.type", pa.string()),
+        ("vehicle.energy", pa.string()),
+        ("vehicle.capacity_kg", pa.float64()),
+        ("vehicle.cargo_volume_m3", pa.float64()),
+        ("vehicle.cargo_height_m", pa.float64()),
+        ("vehicle.refrigerated", pa.bool_()),
+        ("vehicle.tail_lift", pa.bool_()),
+        ("profile.on_time_rate", pa.float64()),
+        ("profile.damage_rate", pa.float64()),
+        ("profile.service_score", pa.float64()),
+        ("profile.completed_orders", pa.int64()),
+        ("profile.certifications", pa.list_(pa.string())),
+        ("profile.languages", pa.list_(pa.string())),
+        ("profile.home_zone", pa.string()),
+    ]
+)
+
+_WRITE_BATCH = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One row of an input file: a valid ``record`` or the ``error`` that rejected it.
+
+    ``line`` is the 1-based line in a JSONL or CSV file (the CSV header is line 1) where the
+    row starts, or the 1-based row number in a Parquet file.
+    """
+
+    line: int
+    record: DriverRecord | None
+    error: str | None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """``vehicle.capacity_kg: Input should be ...; driver_id: Field required``."""
+    return "; ".join(
+        f"{'.'.join(str(part) for part in err['loc']) or 'record'}: {err['msg']}"
+        for err in exc.errors(include_url=False)
+    )
+
+
+def file_format(path: str | os.PathLike[str]) -> Format:
+    """The format a file's extension names; ValueError listing the known ones otherwise."""
+    suffix = Path(path).suffix.lower()
+    try:
+        return _EXTENSIONS[suffix]
+    except KeyError:
+        known = ", ".join(_EXTENSIONS)
+        raise ValueError(
+            f"cannot tell the format of {os.fspath(path)!r} from its extension "
+            f"{suffix or '(none)'!r}; known: {known}"
+        ) from None
+
+
+# ---- flat rows (CSV, Parquet) ------------------------------------------------------------
+
+
+def to_flat_dict(record: DriverRecord) -> dict[str, Any]:
+    """``{"driver_id": ..., "position.lat": ..., "profile.languages": [...]}`` in
+    ``FLAT_COLUMNS`` order; values stay Python objects (lists, datetimes, None)."""
+    nested = record.model_dump()
+    flat: dict[str, Any] = {}
+    for column in FLAT_COLUMNS:
+        value: Any = nested
+        for part in column.split("."):
+            value = value[part]
+        flat[column] = value
+    return flat
+
+
+def _drop_absent(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _drop_absent(v) for k, v in value.items() if v is not None and v != ""}
+    return value
+
+
+def from_flat_dict(flat: Mapping[str, Any]) -> DriverRecord:
+    """The record a flat (dotted) or nested row describes; raises ``ValidationError``.
+
+    Empty cells and None mean absent; a string in a list column is split on ``;``. Unknown
+    columns are ignored, like unknown fields anywhere (API.md).
+    """
+    nested: dict[str, Any] = {}
+    for raw_key, value in flat.items():
+        key = raw_key.strip()
+        if value is None or value == "":
+            continue
+        if key in LIST_COLUMNS and isinstance(value, str):
+            value = [item.strip() for item in value.split(LIST_SEPARATOR) if item.strip()]
+        *parents, leaf = key.split(".")
+        node = nested
+        for part in parents:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                break  # "vehicle" given both as a scalar and as columns: the model says why
+            node = child
+        else:
+            value = _drop_absent(value)
+            if isinstance(value, dict) and isinstance(node.get(leaf), dict):
+                node[leaf].update(value)  # a struct column plus dotted columns inside it
+            else:
+                node[leaf] = value
+    return DriverRecord.model_validate(nested)
+
+
+def _validated(line: int, build: Callable[[Any], DriverRecord], data: Any) -> Row:
+    try:
+        return Row(line, build(data), None)
+    except ValidationError as exc:
+        return Row(line, None, format_validation_error(exc))
+
+
+# ---- readers -------------------------------------------------------------------------------
+
+
+def iter_rows(path: str | os.PathLike[str], chunk_size: int = 1000) -> Iterator[Row]:
+    """Every row of a JSONL, CSV or Parquet file of DriverRecords, valid or not, in order.
+
+    The format comes from the extension (checked now, before any reading). ``chunk_size`` is
+    the Parquet batch size; JSONL and CSV are read a line at a time. Blank lines are skipped.
+    """
+    fmt = file_format(path)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if fmt == "jsonl":
+        return _iter_jsonl(Path(path))
+    if fmt == "csv":
+        return _iter_csv(Path(path))
+    return _iter_parquet(Path(path), chunk_size)
+
+
+def _iter_jsonl(path: Path) -> Iterator[Row]:
+    # Bytes, not text: an undecodable line is that line's error, not the end of the file.
+    with path.open("rb") as file:
+        for line_no, raw in enumerate(file, start=1):
+            text = raw.removeprefix(b"\xef\xbb\xbf") if line_no == 1 else raw
+            if not text.strip():
+                continue
+            try:
+                data = orjson.loads(text)
+            except orjson.JSONDecodeError as exc:
+                yield Row(line_no, None, f"invalid JSON: {exc}")
+                continue
+            if not isinstance(data, dict):
+                yield Row(line_no, None, f"expected a JSON object, got {type(data).__name__}")
+                continue
+            yield _validated(line_no, DriverRecord.model_validate, data)
+
+
+def _iter_csv(path: Path) -> Iterator[Row]:
+    # utf-8-sig: spreadsheets write a BOM; errors="replace": a bad byte spoils a cell, not
+    # the rest of the file.
+    with path.open(newline="", encoding="utf-8-sig", errors="replace") as file:
+        reader = csv.reader(file)
+        try:
+            header = [name.strip() for name in next(reader)]
+        except StopIteration:
+            return
+        while True:
+            start = reader.line_num + 1
+            try:
+                cells = next(reader)
+            except StopIteration:
+                return
+            except csv.Error as exc:
+                yield Row(start, None, f"invalid CSV: {exc}")
+                if reader.line_num < start:
+                    return  # the reader cannot move past it
+                continue
+            if not cells:
+                continue
+            if len(cells) > len(header):
+                error = f"row has {len(cells)} cells, the header has {len(header)}"
+                yield Row(start, None, error)
+                continue
+            yield _validated(start, from_flat_dict, dict(zip(header, cells, strict=False)))
+
+
+def _iter_parquet(path: Path, chunk_size: int) -> Iterator[Row]:
+    row_no = 0
+    with pq.ParquetFile(path) as parquet:
+        for batch in parquet.iter_batches(batch_size=chunk_size):
+            for data in batch.to_pylist():
+                row_no += 1
+                yield _validated(row_no, from_flat_dict, data)
+
+
+# ---- writers -------------------------------------------------------------------------------
+
+
+def write_jsonl(records: Iterable[DriverRecord], path: str | os.PathLike[str]) -> int:
+    """One JSON object per line, as the API sends them; returns how many were written."""
+    count = 0
+    with Path(path).open("wb") as file:
+        for record in records:
+            file.write(record.model_dump_json().encode() + b"\n")
+            count += 1
+    return count
+
+
+def _csv_cell(column: str, value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value)  # shortest text that reads back as the same float
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, list):
+        if any(LIST_SEPARATOR in item for item in value):
+            raise ValueError(f"{column}: an item contains {LIST_SEPARATOR!r}: {value!r}")
+        return LIST_SEPARATOR.join(value)
+    return str(value)
+
+
+def write_csv(records: Iterable[DriverRecord], path: str | os.PathLike[str]) -> int:
+    """``FLAT_COLUMNS`` with a header row; ValueError if a list item contains ``;``."""
+    count = 0
+    with Path(path).open("w", newline="", encoding="utf-8") as file:
+        writer = csv.writer(file)
+        writer.writerow(FLAT_COLUMNS)
+        for record in records:
+            flat = to_flat_dict(record)
+            writer.writerow([_csv_cell(column, flat[column]) for column in FLAT_COLUMNS])
+            count += 1
+    return count
+
+
+def write_parquet(records: Iterable[DriverRecord], path: str | os.PathLike[str]) -> int:
+    """Flat ``PARQUET_SCHEMA`` columns, written in row groups of 10,000 records.
+
+    ``position.ts`` is a UTC timestamp column: a naive timestamp is stored as if it were UTC.
+    """
+    count = 0
+    records = iter(records)
+    with pq.ParquetWriter(path, PARQUET_SCHEMA) as writer:
+        while batch := [to_flat_dict(r) for r in itertools.islice(records, _WRITE_BATCH)]:
+            writer.write_table(pa.Table.from_pylist(batch, schema=PARQUET_SCHEMA))
+            count += len(batch)
+    return count
+
+
+def write_records(records: Iterable[DriverRecord], path: str | os.PathLike[str]) -> int:
+    """Write in the format the extension names (``file_format``); returns the count."""
+    writers = {"jsonl": write_jsonl, "csv": write_csv, "parquet": write_parquet}
+    return writers[file_format(path)](records, path)

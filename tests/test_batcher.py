@@ -1,0 +1,351 @@
+"""The batcher, through its public surface, on the fake engine.
+
+No test asserts a wall-clock duration. Where the order of batches matters, the engine holds its
+first batch until the test has queued what it needs, so the outcome does not depend on timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import numpy as np
+import pytest
+
+from engines.base import Batch, EngineError, QueueFullError, Vectors
+from engines.batcher import Batcher
+from engines.fake import FakeEngine
+
+
+class RecordingEngine(FakeEngine):
+    """Records every batch's texts; with ``hold=True`` the first batch waits for ``release``."""
+
+    def __init__(self, *, hold: bool = False, **options: Any) -> None:
+        super().__init__(dim=8, **options)
+        self.batches: list[list[str]] = []
+        self.entered = threading.Event()
+        self._gate = threading.Event()
+        if not hold:
+            self._gate.set()
+
+    def release(self) -> None:
+        self._gate.set()
+
+    def forward(self, batch: Batch) -> Vectors:
+        self.batches.append(list(batch.data["texts"]))
+        self.entered.set()
+        if not self._gate.wait(timeout=30):
+            raise AssertionError("the test never released the engine")
+        return super().forward(batch)
+
+    def expected(self, texts: list[str]) -> Vectors:
+        return np.stack([self.vector(text) for text in texts])
+
+
+def run(test: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    asyncio.run(test())
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Yield to the loop until ``condition`` holds (bounded, no sleeping on a clock)."""
+    for _ in range(10_000):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition never became true")
+
+
+async def engine_busy(engine: RecordingEngine) -> None:
+    assert await asyncio.to_thread(engine.entered.wait, 30)
+
+
+def spawn(coro: Coroutine[Any, Any, Vectors]) -> asyncio.Task[Vectors]:
+    return asyncio.create_task(coro)
+
+
+def test_concurrent_submits_coalesce_into_fewer_batches() -> None:
+    async def test() -> None:
+        engine = RecordingEngine(delay_s=0.02)
+        texts = [f"driver {i}" for i in range(40)]
+        async with Batcher(engine, max_batch_size=64) as batcher:
+            results = await asyncio.gather(*(batcher.submit([text]) for text in texts))
+        assert engine.calls < len(texts)
+        for text, vectors in zip(texts, results, strict=True):
+            np.testing.assert_array_equal(vectors, engine.expected([text]))
+
+    run(test)
+
+
+def test_results_keep_input_order_and_equal_engine_embed() -> None:
+    async def test() -> None:
+        engine = RecordingEngine()
+        requests = [["b", "a", "c"], ["same", "same"], ["z"], [f"t{i}" for i in range(30)]]
+        async with Batcher(engine, max_batch_size=8) as batcher:
+            results = await asyncio.gather(*(batcher.submit(texts) for texts in requests))
+        reference = FakeEngine(dim=8)
+        for texts, vectors in zip(requests, results, strict=True):
+            assert vectors.dtype == np.float32
+            np.testing.assert_array_equal(vectors, reference.embed(texts))
+
+    run(test)
+
+
+def test_oversized_submission_is_split_across_batches() -> None:
+    async def test() -> None:
+        engine = RecordingEngine()
+        texts = [f"t{i}" for i in range(10)]
+        async with Batcher(engine, max_batch_size=4) as batcher:
+            vectors = await batcher.submit(texts)
+        assert [len(batch) for batch in engine.batches] == [4, 4, 2]
+        assert [text for batch in engine.batches for text in batch] == texts
+        np.testing.assert_array_equal(vectors, engine.expected(texts))
+
+    run(test)
+
+
+def test_dispatch_lane_is_served_before_warmup_lane() -> None:
+    async def test() -> None:
+        engine = RecordingEngine(hold=True)
+        async with Batcher(engine, max_batch_size=3) as batcher:
+            first = spawn(batcher.submit(["first"]))
+            await engine_busy(engine)
+            warm = spawn(batcher.submit(["w1", "w2"], lane="warmup"))
+            d1 = spawn(batcher.submit(["d1"]))
+            d2 = spawn(batcher.submit(["d2"], lane="dispatch"))
+            await until(lambda: batcher.queued == 4)
+            engine.release()
+            await asyncio.gather(first, warm, d1, d2)
+        assert engine.batches == [["first"], ["d1", "d2", "w1"], ["w2"]]
+        np.testing.assert_array_equal(warm.result(), engine.expected(["w1", "w2"]))
+
+    run(test)
+
+
+def test_engine_error_fails_only_that_batch_and_serving_continues() -> None:
+    async def test() -> None:
+        engine = RecordingEngine(hold=True, fail_on="boom")
+        async with Batcher(engine, max_batch_size=2) as batcher:
+            first = spawn(batcher.submit(["first"]))
+            await engine_busy(engine)
+            bad = spawn(batcher.submit(["ok-1", "boom"]))
+            good = spawn(batcher.submit(["ok-2"]))
+            await until(lambda: batcher.queued == 3)
+            engine.release()
+            results = await asyncio.gather(first, bad, good, return_exceptions=True)
+            assert engine.batches == [["first"], ["ok-1", "boom"], ["ok-2"]]
+            assert isinstance(results[1], EngineError)
+            np.testing.assert_array_equal(results[0], engine.expected(["first"]))
+            np.testing.assert_array_equal(results[2], engine.expected(["ok-2"]))
+            assert batcher.healthy
+            stats = batcher.stats()
+            assert (stats.batches, stats.failed_batches, stats.items) == (3, 1, 4)
+            assert stats.last_error is not None and "boom" in stats.last_error
+            assert stats.items == engine.items
+
+    run(test)
+
+
+def test_healthy_is_false_only_while_the_last_batch_failed() -> None:
+    async def test() -> None:
+        engine = RecordingEngine(fail_on="boom")
+        batcher = Batcher(engine)
+        assert not batcher.healthy  # not started
+        async with batcher:
+            assert batcher.healthy
+            with pytest.raises(EngineError):
+                await batcher.submit(["boom"])
+            assert not batcher.healthy
+            await batcher.submit(["fine"])
+            assert batcher.healthy
+        assert not batcher.healthy  # closed
+
+    run(test)
+
+
+class BrokenEngine(RecordingEngine):
+    def forward(self, batch: Batch) -> Vectors:
+        if "bad" in batch.data["texts"]:
+            raise ValueError("tensor shapes do not match")
+        return super().forward(batch)
+
+
+def test_non_engine_errors_are_wrapped_with_their_cause() -> None:
+    async def test() -> None:
+        engine = BrokenEngine()
+        async with Batcher(engine) as batcher:
+            with pytest.raises(EngineError, match="tensor shapes") as info:
+                await batcher.submit(["bad"])
+            assert isinstance(info.value.__cause__, ValueError)
+            np.testing.assert_array_equal(await batcher.submit(["good"]), engine.expected(["good"]))
+
+    run(test)
+
+
+def test_queue_full_raises_at_once_and_queues_nothing() -> None:
+    async def test() -> None:
+        engine = RecordingEngine(hold=True)
+        async with Batcher(engine, max_batch_size=8, max_queue=5) as batcher:
+            first = spawn(batcher.submit(["first"]))
+            await engine_busy(engine)
+            waiting = spawn(batcher.submit([f"q{i}" for i in range(4)]))
+            await until(lambda: batcher.queued == 4)
+            with pytest.raises(QueueFullError):
+                await batcher.submit(["x", "y"])
+            assert batcher.queued == 4
+            last = await asyncio.wait_for(_submit_when_released(batcher, engine, ["fits"]), 30)
+            await asyncio.gather(first, waiting)
+        np.testing.assert_array_equal(last, engine.expected(["fits"]))
+        assert all("x" not in batch and "y" not in batch for batch in engine.batches)
+        assert batcher.stats().items == engine.items == 6
+
+    run(test)
+
+
+async def _submit_when_released(
+    batcher: Batcher, engine: RecordingEngine, texts: list[str]
+) -> Vectors:
+    pending = spawn(batcher.submit(texts))  # exactly fills the queue (5 of 5)
+    await until(lambda: batcher.queued == 5)
+    engine.release()
+    return await pending
+
+
+def test_cancelled_submitter_items_never_reach_the_engine() -> None:
+    async def test() -> None:
+        engine = RecordingEngine(hold=True)
+        async with Batcher(engine) as batcher:
+            first = spawn(batcher.submit(["first"]))
+            await engine_busy(engine)
+            doomed = spawn(batcher.submit(["cancel-me", "me-too"]))
+            await until(lambda: batcher.queued == 2)
+            doomed.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await doomed
+            assert batcher.queued == 0
+            engine.release()
+            await first
+            await batcher.submit(["after"])
+        assert engine.batches == [["first"], ["after"]]
+        assert batcher.stats().items == engine.items == 2
+
+    run(test)
+
+
+def test_cancelling_a_split_submission_drops_its_remaining_slices() -> None:
+    async def test() -> None:
+        engine = RecordingEngine(hold=True)
+        async with Batcher(engine, max_batch_size=2) as batcher:
+            big = spawn(batcher.submit([f"t{i}" for i in range(6)]))
+            await engine_busy(engine)  # slice t0, t1 is in the engine, t2..t5 queued
+            await until(lambda: batcher.queued == 4)
+            big.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await big
+            engine.release()
+            np.testing.assert_array_equal(await batcher.submit(["next"]), engine.expected(["next"]))
+        assert engine.batches == [["t0", "t1"], ["next"]]
+
+    run(test)
+
+
+def test_aclose_fails_queued_waiters_and_finishes_the_batch_in_flight() -> None:
+    async def test() -> None:
+        engine = RecordingEngine(hold=True)
+        batcher = Batcher(engine)
+        await batcher.start()
+        in_flight = spawn(batcher.submit(["in-flight"]))
+        await engine_busy(engine)
+        queued = spawn(batcher.submit(["queued"], lane="warmup"))
+        await until(lambda: batcher.queued == 1)
+        closing = asyncio.ensure_future(batcher.aclose())
+        with pytest.raises(EngineError, match="batcher closed"):
+            await queued  # failed at once, while the engine is still busy
+        engine.release()
+        await closing
+        np.testing.assert_array_equal(await in_flight, engine.expected(["in-flight"]))
+        with pytest.raises(EngineError, match="closed"):
+            await batcher.submit(["late"])
+        await batcher.aclose()  # idempotent
+        assert engine.batches == [["in-flight"]]
+
+    run(test)
+
+
+def test_submit_checks_state_lane_and_empty_input() -> None:
+    async def test() -> None:
+        batcher = Batcher(FakeEngine(dim=8))
+        with pytest.raises(EngineError, match="not started"):
+            await batcher.submit(["x"])
+        async with batcher:
+            with pytest.raises(ValueError, match="lane"):
+                await batcher.submit(["x"], lane="bulk")
+            empty = await batcher.submit([])
+            assert empty.shape == (0, 8)
+            assert empty.dtype == np.float32
+        with pytest.raises(EngineError, match="closed"):
+            await batcher.start()
+
+    run(test)
+
+
+def test_stats_count_exactly_what_reached_the_engine() -> None:
+    async def test() -> None:
+        engine = RecordingEngine()
+        async with Batcher(engine, max_batch_size=4) as batcher:
+            before = batcher.stats()
+            assert (before.items, before.batches, before.mean_batch, before.per_item_ms) == (
+                0,
+                0,
+                0.0,
+                0.0,
+            )
+            assert (before.p50_batch_ms, before.p99_batch_ms, before.last_error) == (0.0, 0.0, None)
+            await asyncio.gather(*(batcher.submit([f"t{i}", f"u{i}", f"v{i}"]) for i in range(7)))
+            stats = batcher.stats()
+        assert stats.items == engine.items == 21
+        assert stats.batches == engine.calls
+        assert stats.mean_batch == pytest.approx(21 / engine.calls)
+        assert stats.per_item_ms == batcher.per_item_ms >= 0.0
+        assert 0.0 <= stats.p50_batch_ms <= stats.p99_batch_ms
+        assert stats.last_error is None
+        assert all(len(batch) <= 4 for batch in engine.batches)
+
+    run(test)
+
+
+@pytest.mark.timeout(120)
+def test_random_mix_of_lanes_sizes_failures_and_cancellations_resolves_everything() -> None:
+    async def test() -> None:
+        rng = random.Random(7)
+        engine = RecordingEngine(fail_on="boom")
+        outcomes: dict[str, int] = {"ok": 0, "error": 0, "cancelled": 0}
+
+        async def client(i: int) -> None:
+            texts = [f"c{i}-{j}" for j in range(rng.randint(1, 40))]
+            if rng.random() < 0.1:
+                texts[rng.randrange(len(texts))] = "boom"
+            task = spawn(batcher.submit(texts, lane=rng.choice(["dispatch", "warmup"])))
+            if rng.random() < 0.2:
+                await asyncio.sleep(0)
+                task.cancel()
+            try:
+                vectors = await task
+            except asyncio.CancelledError:
+                outcomes["cancelled"] += 1
+            except EngineError:
+                outcomes["error"] += 1
+            else:
+                np.testing.assert_array_equal(vectors, engine.expected(texts))
+                outcomes["ok"] += 1
+
+        async with Batcher(engine, max_batch_size=16, max_delay_ms=0.5) as batcher:
+            await asyncio.wait_for(asyncio.gather(*(client(i) for i in range(200))), 60)
+            assert batcher.queued == 0
+            assert batcher.stats().items == engine.items
+        assert sum(outcomes.values()) == 200
+        assert outcomes["ok"] > 0
+
+    run(test)

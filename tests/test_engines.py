@@ -1,0 +1,216 @@
+"""Engines: the fake, the registry, and the torch engine against sentence-transformers."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engines.base import EngineError, EngineUnavailableError
+from engines.fake import FakeEngine
+from engines.registry import create_engine, engine_kinds
+from engines.torch_engine import TorchEngine, default_model_path, model_files_digest
+
+# -- FakeEngine ------------------------------------------------------------------------------
+
+
+def test_fake_vectors_are_deterministic_unit_float32() -> None:
+    texts = ["driver 1 van", "driver 2 truck", "driver 1 van", ""]
+    first = FakeEngine().embed(texts)
+    second = FakeEngine().embed(texts)
+    assert first.dtype == np.float32
+    assert first.shape == (4, 384)
+    assert first.flags.c_contiguous
+    np.testing.assert_array_equal(first, second)
+    np.testing.assert_allclose(np.linalg.norm(first, axis=1), 1.0, rtol=1e-6)
+    np.testing.assert_array_equal(first[0], first[2])
+    assert abs(float(first[0] @ first[1])) < 0.5  # unrelated texts, unrelated vectors
+
+
+def test_fake_embed_matches_vector_and_handles_empty() -> None:
+    engine = FakeEngine(dim=16)
+    np.testing.assert_array_equal(
+        engine.embed(["a", "b"]), np.stack([engine.vector("a"), engine.vector("b")])
+    )
+    assert engine.embed([]).shape == (0, 16)
+
+
+def test_fake_info_and_fingerprint() -> None:
+    engine = FakeEngine(dim=8)
+    info = engine.info
+    assert (info.kind, info.device, info.precision, info.model, info.dim) == (
+        "fake",
+        "cpu",
+        "fp32",
+        "fake-hash-8",
+        8,
+    )
+    assert engine.fingerprint == FakeEngine(dim=8, delay_s=0.5).fingerprint
+    assert engine.fingerprint != FakeEngine(dim=16).fingerprint
+    assert engine.health()["ok"] is True
+
+
+def test_fake_counts_forward_calls_and_items() -> None:
+    engine = FakeEngine(dim=8)
+    engine.embed(["a", "b", "c"])
+    engine.embed(["d"])
+    assert (engine.calls, engine.items) == (2, 4)
+
+
+def test_fake_fail_on_raises_engine_error_and_still_counts() -> None:
+    engine = FakeEngine(dim=8, fail_on="boom")
+    with pytest.raises(EngineError, match="boom"):
+        engine.embed(["fine", "a boom here"])
+    assert engine.embed(["fine"]).shape == (1, 8)
+    assert (engine.calls, engine.items) == (2, 3)
+
+
+def test_fake_rejects_bad_dim() -> None:
+    with pytest.raises(ValueError):
+        FakeEngine(dim=0)
+
+
+# -- registry --------------------------------------------------------------------------------
+
+
+def test_registry_creates_fake_with_options() -> None:
+    engine = create_engine("fake", dim=12, fail_on="x")
+    assert isinstance(engine, FakeEngine)
+    assert engine.dim == 12
+
+
+def test_registry_unknown_kind_lists_known_kinds() -> None:
+    assert engine_kinds() == ("fake", "onnxruntime", "tensorrt", "torch")
+    with pytest.raises(
+        ValueError, match=r"unknown engine kind 'nope'.*fake, onnxruntime, tensorrt, torch"
+    ):
+        create_engine("nope")
+
+
+@pytest.mark.parametrize(
+    ("kind", "hint"),
+    [("onnxruntime", r"fleetcache\[onnx\]"), ("tensorrt", r"fleetcache\[tensorrt-rtx\]")],
+)
+def test_registry_unimplemented_kinds_say_so(kind: str, hint: str) -> None:
+    with pytest.raises(EngineUnavailableError, match="not implemented yet") as info:
+        create_engine(kind)
+    assert info.match(hint)
+
+
+def test_registry_missing_dependency_names_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "sentence_transformers", None)  # find_spec -> None
+    with pytest.raises(EngineUnavailableError, match=r"sentence_transformers.*pip install"):
+        create_engine("torch")
+
+
+def test_registry_creates_torch_without_loading() -> None:
+    engine = create_engine("torch", max_seq_length=128)
+    assert isinstance(engine, TorchEngine)
+    assert engine.info.max_seq_length == 128
+    assert engine.health()["ok"] is False
+    with pytest.raises(EngineUnavailableError, match="load"):
+        engine.embed(["not loaded"])
+
+
+# -- TorchEngine without loading the weights ---------------------------------------------------
+
+
+def test_torch_fingerprint_is_stable_and_names_what_changes_vectors() -> None:
+    base = TorchEngine()
+    assert TorchEngine().fingerprint == base.fingerprint
+    assert TorchEngine(model_path=str(default_model_path())).fingerprint == base.fingerprint
+    assert TorchEngine(max_seq_length=128).fingerprint != base.fingerprint
+    assert TorchEngine(fp16=True).fingerprint != base.fingerprint
+    assert base.info.precision == "fp32"
+    assert TorchEngine(device="cuda").info.precision == "fp16"  # no GPU needed until load()
+    assert base.dim == 384
+
+
+def test_model_files_digest_follows_content_and_skips_exports(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"hidden_size": 4}')
+    (tmp_path / "model.safetensors").write_bytes(b"weights-1")
+    (tmp_path / "onnx").mkdir()
+    (tmp_path / "onnx" / "model.json").write_text("exported copy")
+    (tmp_path / "README.md").write_text("docs")
+    first = model_files_digest(tmp_path)
+    (tmp_path / "onnx" / "model.json").write_text("another exported copy")
+    (tmp_path / "README.md").write_text("other docs")
+    assert model_files_digest(tmp_path) == first
+    (tmp_path / "model.safetensors").write_bytes(b"weights-2")
+    assert model_files_digest(tmp_path) != first
+    assert TorchEngine(model_path=str(tmp_path)).dim == 4
+
+
+def test_torch_missing_model_dir_is_unavailable(tmp_path: Path) -> None:
+    with pytest.raises(EngineUnavailableError, match="not found"):
+        TorchEngine(model_path=str(tmp_path / "missing"))
+
+
+# -- TorchEngine with the real model -----------------------------------------------------------
+
+PARITY_TEXTS = [
+    "driver 17 | van | refrigerated | hazmat: no | languages: en, de",
+    "vehicle 4401 box truck, liftgate, 12 pallets, zone north",
+    "",
+    " ",
+    "a",
+    "Fahrer mit Kühlwagen, Führerschein C1E, spricht Deutsch und Türkisch",
+    "司机 上海 冷链 货车",
+    "conductor con furgoneta eléctrica en Madrid",
+    "🚚 emoji-heavy record ✅✅✅",
+    "UPPER CASE DRIVER RECORD WITH CAPITALS",
+    "driver-42;van;lat=52.5200;lon=13.4050;shift=night",
+    "pets ok, wheelchair ramp, child seat x2",
+    "long " * 400,  # truncated at max_seq_length
+    "token " * 255,
+    "tabs\tand\nnewlines\r\nin the text",
+    "numbers 1234567890 3.14159 -42 1e10",
+    "https://example.com/driver?id=7&zone=3",
+    "quotes \"double\" and 'single' and `back`",
+] + [
+    f"driver {i} vehicle {'van' if i % 2 else 'truck'} capacity {i * 3} kg zone {i % 7}"
+    for i in range(32)
+]
+
+
+@pytest.fixture(scope="module")
+def torch_engine() -> TorchEngine:
+    engine = TorchEngine()
+    engine.load()
+    engine.warmup()
+    return engine
+
+
+@pytest.mark.model
+def test_torch_matches_sentence_transformers(torch_engine: TorchEngine) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    reference = SentenceTransformer(str(default_model_path()), device="cpu").encode(
+        PARITY_TEXTS, normalize_embeddings=True
+    )
+    vectors = torch_engine.embed(PARITY_TEXTS)
+    assert len(PARITY_TEXTS) == 50
+    assert vectors.shape == (50, 384)
+    assert vectors.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    cosines = np.sum(vectors * reference, axis=1) / np.linalg.norm(reference, axis=1)
+    assert cosines.min() >= 0.9999
+
+
+@pytest.mark.model
+def test_torch_batch_composition_does_not_change_vectors(torch_engine: TorchEngine) -> None:
+    together = torch_engine.embed(PARITY_TEXTS[:10])
+    alone = np.concatenate([torch_engine.embed([text]) for text in PARITY_TEXTS[:10]])
+    assert np.sum(together * alone, axis=1).min() >= 0.9999
+
+
+@pytest.mark.model
+def test_torch_loaded_info_health_and_tokens(torch_engine: TorchEngine) -> None:
+    assert torch_engine.info.device == "cpu"
+    assert torch_engine.health() == {"ok": True, "device": "cpu"}
+    batch = torch_engine.tokenize(["one two", "long " * 400])
+    assert batch.size == 2
+    assert batch.tokens <= 2 * 256
+    assert torch_engine.embed([]).shape == (0, 384)
