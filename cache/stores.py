@@ -1,0 +1,564 @@
+"""LangChain ``ByteStore`` implementations behind the embedding cache.
+
+::
+
+    CacheStore (BaseStore[str, bytes])  adds kind, a non-counting contains() peek, close()
+     +-- MemoryByteStore   in-process LRU bounded by bytes; async forms run inline
+     +-- LmdbByteStore     one LMDB environment on disk; async forms hop to a thread
+     +-- TieredByteStore   memory first, then a second-tier ByteStore; store errors are
+                           logged and counted, never raised (the cache may fail, the
+                           request may not)
+     (+-- RedisByteStore   later: subclass CacheStore with native async forms and plug it
+                           into TieredByteStore / build_store(kind="redis"))
+
+Every store is a complete ``ByteStore``: ``mget``, ``mset``, ``mdelete``,
+``yield_keys(prefix=)`` and their async forms behave like a dict of ``str -> bytes``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import lmdb
+from langchain_core.stores import BaseStore, ByteStore
+
+log = logging.getLogger("fleetcache.cache")
+
+GiB = 1 << 30
+_Bytes = bytes  # MemoryByteStore has a ``bytes`` property that shadows the builtin
+
+
+class ErrorLog:
+    """Counts absorbed cache failures and logs them, at most one warning per ``every_s``."""
+
+    def __init__(self, what: str, every_s: float = 10.0) -> None:
+        self.what = what
+        self.count = 0
+        self._every_s = every_s
+        self._last = -every_s
+        self._unreported = 0
+        self._lock = threading.Lock()
+
+    def record(self, op: str, exc: BaseException) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self.count += 1
+            self._unreported += 1
+            if now - self._last < self._every_s:
+                return
+            self._last, suppressed, self._unreported = now, self._unreported - 1, 0
+        log.warning(
+            "%s failed on %s (%d similar errors not logged): %r; serving without it",
+            self.what,
+            op,
+            suppressed,
+            exc,
+        )
+
+
+class CacheStore(BaseStore[str, bytes]):
+    """Base of the cache's ByteStores: a ``kind`` name, a peek, and a close hook."""
+
+    kind: ClassVar[str] = "custom"
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        """Which keys hold a value, without counting hits or touching LRU order."""
+        return [v is not None for v in self.mget(keys)]
+
+    async def acontains(self, keys: Sequence[str]) -> list[bool]:
+        return await asyncio.to_thread(self.contains, keys)
+
+    def close(self) -> None:
+        """Release files and connections; later calls may raise."""
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def info(self) -> dict[str, Any]:
+        """Cheap facts for /v1/stats (never raises)."""
+        return {"kind": self.kind}
+
+
+class MemoryByteStore(CacheStore):
+    """Thread-safe LRU of ``str -> bytes`` bounded by total ``len(key) + len(value)``.
+
+    Calls come both from the event loop and from worker threads, so one lock guards the
+    ``OrderedDict``; every operation is O(1) per key. A value larger than ``max_bytes`` is not
+    stored; ``max_bytes=0`` disables the tier. The async forms run inline: an in-memory
+    lookup is far cheaper than a thread hop.
+    """
+
+    kind: ClassVar[str] = "memory"
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self._max_bytes = max_bytes
+        self._data: OrderedDict[str, _Bytes] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.evictions = 0
+
+    @property
+    def entries(self) -> int:
+        return len(self._data)
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
+
+    @property
+    def max_bytes(self) -> int:
+        return self._max_bytes
+
+    def mget(self, keys: Sequence[str]) -> list[_Bytes | None]:
+        with self._lock:
+            get, touch = self._data.get, self._data.move_to_end
+            out = [get(k) for k in keys]
+            for k, v in zip(keys, out, strict=True):
+                if v is not None:
+                    touch(k)
+        return out
+
+    def mset(self, key_value_pairs: Sequence[tuple[str, _Bytes]]) -> None:
+        with self._lock:
+            data = self._data
+            for key, value in key_value_pairs:
+                old = data.pop(key, None)
+                if old is not None:
+                    self._bytes -= len(key) + len(old)
+                size = len(key) + len(value)
+                if size <= self._max_bytes:
+                    data[key] = value
+                    self._bytes += size
+            while self._bytes > self._max_bytes:
+                key, value = data.popitem(last=False)
+                self._bytes -= len(key) + len(value)
+                self.evictions += 1
+
+    def mdelete(self, keys: Sequence[str]) -> None:
+        with self._lock:
+            for key in keys:
+                old = self._data.pop(key, None)
+                if old is not None:
+                    self._bytes -= len(key) + len(old)
+
+    def _keys(self, prefix: str | None) -> list[str]:
+        with self._lock:
+            keys = list(self._data)
+        return keys if not prefix else [k for k in keys if k.startswith(prefix)]
+
+    def yield_keys(self, *, prefix: str | None = None) -> Iterator[str]:
+        yield from self._keys(prefix)
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        with self._lock:
+            return [k in self._data for k in keys]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._data.clear()
+            self._bytes = 0
+
+    async def amget(self, keys: Sequence[str]) -> list[_Bytes | None]:
+        return self.mget(keys)
+
+    async def amset(self, key_value_pairs: Sequence[tuple[str, _Bytes]]) -> None:
+        self.mset(key_value_pairs)
+
+    async def amdelete(self, keys: Sequence[str]) -> None:
+        self.mdelete(keys)
+
+    async def ayield_keys(self, *, prefix: str | None = None) -> AsyncIterator[str]:
+        for key in self._keys(prefix):
+            yield key
+
+    async def acontains(self, keys: Sequence[str]) -> list[bool]:
+        return self.contains(keys)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "entries": self.entries,
+            "bytes": self._bytes,
+            "max_bytes": self._max_bytes,
+            "evictions": self.evictions,
+        }
+
+
+class LmdbByteStore(CacheStore):
+    """``str -> bytes`` in one LMDB environment (a directory holding data.mdb and lock.mdb).
+
+    ``mget`` runs in one read transaction and ``mset`` / ``mdelete`` in one write transaction
+    each. Durability: ``sync=True`` (default) with ``metasync=False`` keeps atomicity and
+    consistency on any crash and loses at most the last committed batch on an OS crash or
+    power loss (a process crash loses nothing); ``sync=False`` also skips the data fsync
+    (faster bulk warm-up, an OS crash may lose more recent batches). Several processes may
+    open the same directory (the server and ``fleetcache warmup``): LMDB locks writers.
+    A full map (``map_size``) makes writes raise ``lmdb.MapFullError``; TieredByteStore counts
+    that as a store error and keeps serving. Async forms run the call in a worker thread.
+    Keys are UTF-8; at most ``max_key_size`` (511) bytes.
+    """
+
+    kind: ClassVar[str] = "lmdb"
+
+    def __init__(
+        self,
+        path: Path | str,
+        map_size: int = 4 * GiB,
+        *,
+        sync: bool = True,
+        readahead: bool = False,
+        max_readers: int = 256,
+        scan_chunk: int = 1024,
+    ) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        # readahead=False: lookups are random single pages, the OS readahead only evicts
+        # useful pages once the file outgrows RAM.
+        self._env = lmdb.open(
+            str(self.path),
+            subdir=True,
+            map_size=map_size,
+            max_dbs=0,
+            sync=sync,
+            metasync=False,
+            readahead=readahead,
+            writemap=False,
+            max_readers=max_readers,
+            lock=True,
+        )
+        self._env.reader_check()  # free slots left by crashed processes
+        self._max_key = self._env.max_key_size()
+        self._scan_chunk = scan_chunk
+        self._closed = False
+
+    def _key(self, key: str) -> bytes:
+        raw = key.encode("utf-8")
+        if not raw or len(raw) > self._max_key:
+            raise ValueError(f"LMDB keys must be 1..{self._max_key} bytes, got {len(raw)}")
+        return raw
+
+    def mget(self, keys: Sequence[str]) -> list[bytes | None]:
+        raw = [k.encode("utf-8") for k in keys]
+        valid = [k for k in raw if 0 < len(k) <= self._max_key]
+        # getmulti looks all keys up in one C loop: ~3x faster than txn.get per key.
+        with self._env.begin() as txn, txn.cursor() as cur:
+            found: dict[bytes, bytes] = dict(cur.getmulti(valid))
+        return [found.get(k) for k in raw]
+
+    def mset(self, key_value_pairs: Sequence[tuple[str, bytes]]) -> None:
+        if not key_value_pairs:
+            return
+        items = [(self._key(k), v) for k, v in key_value_pairs]
+        with self._env.begin(write=True) as txn:
+            put = txn.put
+            for k, v in items:
+                put(k, v)
+
+    def mdelete(self, keys: Sequence[str]) -> None:
+        if not keys:
+            return
+        raw = [k.encode("utf-8") for k in keys]
+        with self._env.begin(write=True) as txn:
+            for k in raw:
+                if 0 < len(k) <= self._max_key:
+                    txn.delete(k)
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        raw = [k.encode("utf-8") for k in keys]
+        with self._env.begin() as txn, txn.cursor() as cur:
+            return [0 < len(k) <= self._max_key and cur.set_key(k) for k in raw]
+
+    def _scan(self, prefix: bytes, after: bytes | None) -> list[bytes]:
+        """Up to ``scan_chunk`` keys with ``prefix`` after ``after``, in a short read txn.
+
+        Scanning in chunks keeps no read transaction open while the caller consumes keys
+        (a long-lived reader would pin old pages and grow the file).
+        """
+        out: list[bytes] = []
+        with self._env.begin() as txn, txn.cursor() as cur:
+            if after is not None:
+                ok = cur.set_range(after)
+                if ok and cur.key() == after:
+                    ok = cur.next()
+            else:
+                ok = cur.set_range(prefix) if prefix else cur.first()
+            while ok and len(out) < self._scan_chunk:
+                key = cur.key()
+                if not key.startswith(prefix):
+                    break
+                out.append(bytes(key))
+                ok = cur.next()
+        return out
+
+    def yield_keys(self, *, prefix: str | None = None) -> Iterator[str]:
+        pfx, after = (prefix or "").encode("utf-8"), None
+        while chunk := self._scan(pfx, after):
+            yield from (k.decode("utf-8") for k in chunk)
+            if len(chunk) < self._scan_chunk:
+                return
+            after = chunk[-1]
+
+    async def amget(self, keys: Sequence[str]) -> list[bytes | None]:
+        return await asyncio.to_thread(self.mget, keys)
+
+    async def amset(self, key_value_pairs: Sequence[tuple[str, bytes]]) -> None:
+        await asyncio.to_thread(self.mset, key_value_pairs)
+
+    async def amdelete(self, keys: Sequence[str]) -> None:
+        await asyncio.to_thread(self.mdelete, keys)
+
+    async def ayield_keys(self, *, prefix: str | None = None) -> AsyncIterator[str]:
+        pfx, after = (prefix or "").encode("utf-8"), None
+        while chunk := await asyncio.to_thread(self._scan, pfx, after):
+            for key in chunk:
+                yield key.decode("utf-8")
+            if len(chunk) < self._scan_chunk:
+                return
+            after = chunk[-1]
+
+    @property
+    def entries(self) -> int:
+        return int(self._env.stat()["entries"])
+
+    def info(self) -> dict[str, Any]:
+        try:
+            info, stat = self._env.info(), self._env.stat()
+        except lmdb.Error:
+            return {"kind": self.kind, "closed": True}
+        return {
+            "kind": self.kind,
+            "path": str(self.path),
+            "entries": stat["entries"],
+            "bytes": (info["last_pgno"] + 1) * stat["psize"],
+            "map_size": info["map_size"],
+        }
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._env.close()
+
+
+class TieredByteStore(CacheStore):
+    """Memory first, then ``store`` for the keys memory lacks; a store hit is promoted.
+
+    Writes go to ``store`` then memory. Any exception from ``store`` is logged (throttled),
+    counted in ``store_errors`` and swallowed: on read its keys count as missing, on write
+    memory is still written. ``memory_hits`` / ``store_hits`` count keys found per tier. The
+    memory tier never leaves the calling thread; only ``store``'s own async forms may hop.
+    ``store=None`` is a memory-only cache (``store_kind == "none"``).
+    """
+
+    kind: ClassVar[str] = "tiered"
+
+    def __init__(self, memory: MemoryByteStore, store: ByteStore | None = None) -> None:
+        self.memory = memory
+        self.store = store
+        self._lock = threading.Lock()
+        self.memory_hits = 0
+        self.store_hits = 0
+        self._errors = ErrorLog(f"cache store {self.store_kind}")
+
+    @property
+    def store_errors(self) -> int:
+        return self._errors.count
+
+    @property
+    def store_kind(self) -> str:
+        if self.store is None:
+            return "none"
+        return str(getattr(self.store, "kind", type(self.store).__name__))
+
+    def _store_failed(self, op: str, exc: BaseException) -> None:
+        self._errors.record(op, exc)
+
+    def _from_memory(self, keys: Sequence[str]) -> tuple[list[bytes | None], list[int]]:
+        values = self.memory.mget(keys)
+        missing = [i for i, v in enumerate(values) if v is None]
+        if len(missing) < len(keys):
+            with self._lock:
+                self.memory_hits += len(keys) - len(missing)
+        return values, missing
+
+    def _merge(
+        self,
+        keys: Sequence[str],
+        values: list[bytes | None],
+        missing: list[int],
+        fetched: Sequence[bytes | None],
+    ) -> list[bytes | None]:
+        promote = []
+        for i, value in zip(missing, fetched, strict=True):
+            if value is not None:
+                values[i] = value
+                promote.append((keys[i], value))
+        if promote:
+            self.memory.mset(promote)
+            with self._lock:
+                self.store_hits += len(promote)
+        return values
+
+    def mget(self, keys: Sequence[str]) -> list[bytes | None]:
+        values, missing = self._from_memory(keys)
+        if not missing or self.store is None:
+            return values
+        try:
+            fetched = self.store.mget([keys[i] for i in missing])
+        except Exception as exc:
+            self._store_failed("mget", exc)
+            return values
+        return self._merge(keys, values, missing, fetched)
+
+    async def amget(self, keys: Sequence[str]) -> list[bytes | None]:
+        values, missing = self._from_memory(keys)
+        if not missing or self.store is None:
+            return values
+        try:
+            fetched = await self.store.amget([keys[i] for i in missing])
+        except Exception as exc:
+            self._store_failed("mget", exc)
+            return values
+        return self._merge(keys, values, missing, fetched)
+
+    def mset(self, key_value_pairs: Sequence[tuple[str, bytes]]) -> None:
+        if self.store is not None and key_value_pairs:
+            try:
+                self.store.mset(key_value_pairs)
+            except Exception as exc:
+                self._store_failed("mset", exc)
+        self.memory.mset(key_value_pairs)
+
+    async def amset(self, key_value_pairs: Sequence[tuple[str, bytes]]) -> None:
+        if self.store is not None and key_value_pairs:
+            try:
+                await self.store.amset(key_value_pairs)
+            except Exception as exc:
+                self._store_failed("mset", exc)
+        self.memory.mset(key_value_pairs)
+
+    def mdelete(self, keys: Sequence[str]) -> None:
+        if self.store is not None and keys:
+            try:
+                self.store.mdelete(keys)
+            except Exception as exc:
+                self._store_failed("mdelete", exc)
+        self.memory.mdelete(keys)
+
+    async def amdelete(self, keys: Sequence[str]) -> None:
+        if self.store is not None and keys:
+            try:
+                await self.store.amdelete(keys)
+            except Exception as exc:
+                self._store_failed("mdelete", exc)
+        self.memory.mdelete(keys)
+
+    def yield_keys(self, *, prefix: str | None = None) -> Iterator[str]:
+        # Memory is bounded, so remembering its keys to skip duplicates is cheap.
+        seen = set(self.memory.yield_keys(prefix=prefix))
+        yield from seen
+        if self.store is None:
+            return
+        try:
+            for key in self.store.yield_keys(prefix=prefix):
+                if key not in seen:
+                    yield str(key)
+        except Exception as exc:
+            self._store_failed("yield_keys", exc)
+
+    async def ayield_keys(self, *, prefix: str | None = None) -> AsyncIterator[str]:
+        seen = set(self.memory.yield_keys(prefix=prefix))
+        for key in seen:
+            yield key
+        if self.store is None:
+            return
+        try:
+            async for key in self.store.ayield_keys(prefix=prefix):
+                if key not in seen:
+                    yield str(key)
+        except Exception as exc:
+            self._store_failed("yield_keys", exc)
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        found = self.memory.contains(keys)
+        missing = [i for i, f in enumerate(found) if not f]
+        if missing and self.store is not None:
+            sub = [keys[i] for i in missing]
+            try:
+                if isinstance(self.store, CacheStore):
+                    in_store = self.store.contains(sub)
+                else:
+                    in_store = [v is not None for v in self.store.mget(sub)]
+            except Exception as exc:
+                self._store_failed("contains", exc)
+                return found
+            for i, f in zip(missing, in_store, strict=True):
+                found[i] = f
+        return found
+
+    async def acontains(self, keys: Sequence[str]) -> list[bool]:
+        found = self.memory.contains(keys)
+        missing = [i for i, f in enumerate(found) if not f]
+        if missing and self.store is not None:
+            sub = [keys[i] for i in missing]
+            try:
+                if isinstance(self.store, CacheStore):
+                    in_store = await self.store.acontains(sub)
+                else:
+                    in_store = [v is not None for v in await self.store.amget(sub)]
+            except Exception as exc:
+                self._store_failed("contains", exc)
+                return found
+            for i, f in zip(missing, in_store, strict=True):
+                found[i] = f
+        return found
+
+    def info(self) -> dict[str, Any]:
+        store_info: dict[str, Any] = {"kind": self.store_kind}
+        if isinstance(self.store, CacheStore):
+            store_info = {**self.store.info(), "kind": self.store_kind}
+        return {
+            "kind": self.kind,
+            "memory": {**self.memory.info(), "hits": self.memory_hits},
+            "store": {**store_info, "hits": self.store_hits, "errors": self.store_errors},
+        }
+
+    def close(self) -> None:
+        if isinstance(self.store, CacheStore):
+            self.store.close()
+
+    async def aclose(self) -> None:
+        if isinstance(self.store, CacheStore):
+            await self.store.aclose()
+
+
+def build_store(
+    kind: str,
+    *,
+    memory_bytes: int,
+    data_dir: Path | str | None = None,
+    map_size: int = 4 * GiB,
+) -> TieredByteStore:
+    """The tiered store for ``FLEETCACHE_STORE``: ``memory`` | ``lmdb`` (| ``redis`` later).
+
+    LMDB lives in ``data_dir / "cache.lmdb"``.
+    """
+    memory = MemoryByteStore(memory_bytes)
+    if kind == "memory":
+        return TieredByteStore(memory, None)
+    if kind == "lmdb":
+        if data_dir is None:
+            raise ValueError("store kind 'lmdb' needs a data_dir")
+        return TieredByteStore(memory, LmdbByteStore(Path(data_dir) / "cache.lmdb", map_size))
+    if kind == "redis":
+        # The Redis tier (a CacheStore over redis-py's asyncio client) is a later issue.
+        raise NotImplementedError("the redis cache store is not implemented yet")
+    raise ValueError(f"unknown cache store kind {kind!r}; use 'memory' or 'lmdb'")

@@ -1,0 +1,500 @@
+"""CachedEmbedder: what is served from cache, what reaches the engine, and how it is counted."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import pytest
+from langchain_core.stores import BaseStore, ByteStore
+
+from cache import codec
+from cache.embedder import CachedEmbedder, EmbedResult
+from cache.stores import LmdbByteStore, MemoryByteStore, TieredByteStore
+from engines.base import EngineError
+
+DIM = 8
+MiB = 1 << 20
+T = TypeVar("T")
+
+
+def vec(text: str) -> np.ndarray:
+    seed = int.from_bytes(hashlib.blake2b(text.encode()).digest()[:8], "little")
+    v = np.random.default_rng(seed).standard_normal(DIM).astype(np.float32)
+    return v / np.linalg.norm(v)
+
+
+class FakeCompute:
+    """Records every call; can be held at a gate or made to fail."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[str], str]] = []
+        self.gate: asyncio.Event | None = None
+        self.fail: Exception | None = None
+
+    async def __call__(self, texts: Sequence[str], lane: str) -> np.ndarray:
+        self.calls.append((list(texts), lane))
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.fail is not None:
+            raise self.fail
+        return np.stack([vec(t) for t in texts])
+
+    @property
+    def texts(self) -> list[str]:
+        return [t for texts, _ in self.calls for t in texts]
+
+
+class BrokenStore(BaseStore[str, bytes]):
+    kind = "broken"
+
+    def mget(self, keys: Sequence[str]) -> list[bytes | None]:
+        raise ConnectionError("store down")
+
+    def mset(self, key_value_pairs: Sequence[tuple[str, bytes]]) -> None:
+        raise ConnectionError("store down")
+
+    def mdelete(self, keys: Sequence[str]) -> None:
+        raise ConnectionError("store down")
+
+    def yield_keys(self, *, prefix: str | None = None) -> Iterator[str]:
+        raise ConnectionError("store down")
+
+
+class CountingStore(BaseStore[str, bytes]):
+    """Passes through to ``inner`` and counts finished ``amget`` calls."""
+
+    def __init__(self, inner: ByteStore) -> None:
+        self.inner = inner
+        self.amgets = 0
+        self.written: list[str] = []
+
+    def mget(self, keys: Sequence[str]) -> list[bytes | None]:
+        return self.inner.mget(keys)
+
+    async def amget(self, keys: Sequence[str]) -> list[bytes | None]:
+        values = await self.inner.amget(keys)
+        self.amgets += 1
+        return values
+
+    def mset(self, key_value_pairs: Sequence[tuple[str, bytes]]) -> None:
+        self.written += [k for k, _ in key_value_pairs]
+        self.inner.mset(key_value_pairs)
+
+    def mdelete(self, keys: Sequence[str]) -> None:
+        self.inner.mdelete(keys)
+
+    def yield_keys(self, *, prefix: str | None = None) -> Iterator[str]:
+        return iter(list(self.inner.yield_keys(prefix=prefix)))
+
+
+def memory_cache(**kw: Any) -> tuple[CachedEmbedder, FakeCompute]:
+    compute = FakeCompute()
+    store = kw.pop("store", None) or TieredByteStore(MemoryByteStore(MiB), None)
+    kw.setdefault("namespace", "fake-v1")
+    return CachedEmbedder(compute, store, dim=DIM, **kw), compute
+
+
+def run(coro_fn: Callable[[], Awaitable[T]]) -> T:
+    async def main() -> T:
+        return await coro_fn()
+
+    return asyncio.run(main())
+
+
+async def until(predicate: Callable[[], bool]) -> None:
+    for _ in range(10_000):
+        if predicate():
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError("condition never became true")
+
+
+def assert_vectors(result: EmbedResult, texts: list[str]) -> None:
+    assert result.vectors.shape == (len(texts), DIM)
+    assert result.vectors.dtype == np.float32
+    np.testing.assert_array_equal(result.vectors, np.stack([vec(t) for t in texts]))
+
+
+# -- what reaches the engine ---------------------------------------------------------------
+
+
+def test_repeated_texts_are_served_from_cache() -> None:
+    emb, compute = memory_cache()
+
+    async def scenario() -> tuple[EmbedResult, EmbedResult]:
+        return await emb.aembed(["a", "b", "c"]), await emb.aembed(["a", "b", "d"])
+
+    first, second = run(scenario)
+    assert (first.hits, first.coalesced, first.misses) == (0, 0, 3)
+    assert (second.hits, second.coalesced, second.misses, second.not_sent) == (2, 0, 1, 2)
+    assert second.statuses == ("hit", "hit", "miss")
+    assert compute.texts == ["a", "b", "c", "d"]
+    assert_vectors(first, ["a", "b", "c"])
+    assert_vectors(second, ["a", "b", "d"])
+    stats = emb.stats()
+    assert (stats["hits"], stats["misses"], stats["coalesced"]) == (2, 4, 0)
+    assert stats["hit_ratio"] == pytest.approx(2 / 6)
+
+
+def test_empty_request_is_an_empty_result() -> None:
+    emb, compute = memory_cache()
+    result = run(lambda: emb.aembed([]))
+    assert result.vectors.shape == (0, DIM)
+    assert (result.hits, result.misses, result.statuses) == (0, 0, ())
+    assert compute.calls == []
+
+
+def test_duplicates_inside_one_request_are_computed_once() -> None:
+    emb, compute = memory_cache()
+    result = run(lambda: emb.aembed(["x", "x", "x"]))
+    assert (result.hits, result.coalesced, result.misses) == (0, 2, 1)
+    assert result.statuses == ("miss", "coalesced", "coalesced")
+    assert result.not_sent == 2
+    assert compute.calls == [(["x"], "dispatch")]
+    assert_vectors(result, ["x", "x", "x"])
+
+
+def test_concurrent_identical_requests_compute_once() -> None:
+    emb, compute = memory_cache()
+
+    async def scenario() -> list[EmbedResult]:
+        return await asyncio.gather(*(emb.aembed(["new"]) for _ in range(50)))
+
+    results = run(scenario)
+    assert compute.texts == ["new"]
+    assert sum(r.misses for r in results) == 1
+    assert sum(r.coalesced for r in results) == 49
+    assert all(np.array_equal(r.vectors, results[0].vectors) for r in results)
+    stats = emb.stats()
+    assert (stats["hits"], stats["coalesced"], stats["misses"]) == (0, 49, 1)
+
+
+def test_concurrent_identical_requests_over_lmdb_compute_once(tmp_path: Path) -> None:
+    counting = CountingStore(LmdbByteStore(tmp_path / "db", 64 * MiB))
+    emb, compute = memory_cache(store=TieredByteStore(MemoryByteStore(MiB), counting))
+    compute.gate = asyncio.Event()
+
+    async def scenario() -> list[EmbedResult]:
+        tasks = [asyncio.create_task(emb.aembed(["new"])) for _ in range(50)]
+        await until(lambda: counting.amgets == 50)  # every request has looked it up
+        assert compute.gate is not None
+        compute.gate.set()
+        return await asyncio.gather(*tasks)
+
+    results = run(scenario)
+    assert compute.texts == ["new"]
+    assert (sum(r.misses for r in results), sum(r.coalesced for r in results)) == (1, 49)
+    assert all(np.array_equal(r.vectors, results[0].vectors) for r in results)
+    assert counting.written == [emb.key("new")]  # written once, by the request that computed it
+    assert run(lambda: emb.aembed(["new"])).hits == 1
+
+
+def test_counts_stay_exact_under_overlapping_concurrency() -> None:
+    emb, compute = memory_cache()
+    rng = np.random.default_rng(7)
+    requests = [[f"t{int(i)}" for i in rng.integers(0, 40, size=12)] for _ in range(60)]
+
+    async def scenario() -> list[EmbedResult]:
+        await emb.aembed(["t1", "t2", "t3"])  # a few warm entries
+        out = []
+        for wave in range(0, 60, 20):  # later waves find earlier ones cached
+            out += await asyncio.gather(*(emb.aembed(r) for r in requests[wave : wave + 20]))
+        return out
+
+    results = run(scenario)
+    looked_up = 3 + sum(len(r) for r in requests)
+    stats = emb.stats()
+    assert stats["hits"] + stats["coalesced"] + stats["misses"] == looked_up
+    assert stats["misses"] == len(compute.texts) == len(set(compute.texts))
+    assert set(compute.texts) == {t for r in requests for t in r} | {"t1", "t2", "t3"}
+    for result, texts in zip(results, requests, strict=True):
+        assert result.hits + result.coalesced + result.misses == len(texts)
+        assert result.statuses.count("hit") == result.hits
+        assert_vectors(result, texts)
+
+
+def test_compute_error_reaches_every_waiter_and_is_not_cached() -> None:
+    store = TieredByteStore(MemoryByteStore(MiB), None)
+    emb, compute = memory_cache(store=store)
+    compute.gate = asyncio.Event()
+    compute.fail = EngineError("GPU fell over")
+
+    async def scenario() -> list[BaseException | EmbedResult]:
+        tasks = [
+            asyncio.create_task(emb.aembed(["e", "f"])),
+            asyncio.create_task(emb.aembed(["e"])),  # coalesced on the first request
+            asyncio.create_task(emb.aembed(["f", "f"])),
+        ]
+        await until(lambda: len(compute.calls) == 1)
+        await asyncio.sleep(0)
+        assert compute.gate is not None
+        compute.gate.set()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    outcomes = run(scenario)
+    assert all(isinstance(o, EngineError) for o in outcomes), outcomes
+    assert compute.calls == [(["e", "f"], "dispatch")]
+    assert list(store.yield_keys()) == []  # nothing written
+    assert emb.stats()["failed_calls"] == 3
+
+    compute.gate, compute.fail = None, None
+    retry = run(lambda: emb.aembed(["e"]))
+    assert (retry.hits, retry.misses) == (0, 1)
+    assert compute.calls[-1] == (["e"], "dispatch")
+
+
+def test_compute_returning_the_wrong_shape_is_an_engine_error() -> None:
+    async def bad_compute(texts: Sequence[str], lane: str) -> np.ndarray:
+        return np.zeros((len(texts), DIM + 1), np.float32)
+
+    emb = CachedEmbedder(bad_compute, TieredByteStore(MemoryByteStore(MiB)), namespace="n", dim=DIM)
+    with pytest.raises(EngineError, match="shape"):
+        run(lambda: emb.aembed(["a"]))
+
+
+def test_a_cancelled_request_does_not_fail_the_requests_coalesced_on_it() -> None:
+    emb, compute = memory_cache()
+    compute.gate = asyncio.Event()
+
+    async def scenario() -> EmbedResult:
+        owner = asyncio.create_task(emb.aembed(["slow"]))
+        await until(lambda: len(compute.calls) == 1)
+        follower = asyncio.create_task(emb.aembed(["slow"]))
+        await asyncio.sleep(0)
+        owner.cancel()
+        await asyncio.sleep(0)
+        assert compute.gate is not None
+        compute.gate.set()
+        result = await follower
+        await emb.aclose()  # waits for the write-back the departed owner left behind
+        return result
+
+    result = run(scenario)
+    assert (result.coalesced, result.misses) == (1, 0)
+    assert_vectors(result, ["slow"])
+    assert len(compute.calls) == 1
+    assert emb.stats()["in_flight"] == 0
+    assert run(lambda: emb.aembed(["slow"])).hits == 1  # written back all the same
+
+
+# -- persistence, namespaces, corruption, failing stores -------------------------------------
+
+
+def test_vectors_survive_a_restart(tmp_path: Path) -> None:
+    def open_cache() -> tuple[CachedEmbedder, FakeCompute]:
+        store = TieredByteStore(MemoryByteStore(MiB), LmdbByteStore(tmp_path / "db", 64 * MiB))
+        return memory_cache(store=store)
+
+    first, _ = open_cache()
+    run(lambda: first.aembed(["a", "b"]))
+    run(first.aclose)
+
+    second, compute2 = open_cache()
+    result = run(lambda: second.aembed(["a", "b"]))
+    assert (result.hits, result.misses) == (2, 0)
+    assert compute2.calls == []
+    assert_vectors(result, ["a", "b"])
+    tiers = second.stats()["tiers"]
+    assert (tiers["store"]["hits"], tiers["store"]["kind"]) == (2, "lmdb")
+    run(second.aclose)
+
+
+def test_namespaces_do_not_share_vectors(tmp_path: Path) -> None:
+    store = TieredByteStore(MemoryByteStore(MiB), LmdbByteStore(tmp_path / "db", 64 * MiB))
+    fp16, _ = memory_cache(store=store, namespace="engine-fp16")
+    fp32, compute_b = memory_cache(store=store, namespace="engine-fp32")
+    run(lambda: fp16.aembed(["a"]))
+    result = run(lambda: fp32.aembed(["a"]))
+    assert (result.hits, result.misses) == (0, 1)
+    assert compute_b.texts == ["a"]
+    assert fp16.key("a") != fp32.key("a")
+    assert fp16.key("a").startswith("engine-fp16:")
+    store.close()
+
+
+GOOD_OTHER_DIM = codec.encode(np.ones(DIM * 2, np.float32))
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [b"not a vector at all", codec.encode(vec("a"))[:-3], GOOD_OTHER_DIM],
+    ids=["garbage", "truncated", "wrong-dim"],
+)
+def test_corrupt_entry_is_a_miss_and_is_overwritten(tmp_path: Path, garbage: bytes) -> None:
+    lmdb_store = LmdbByteStore(tmp_path / "db", 64 * MiB)
+    emb, compute = memory_cache(store=TieredByteStore(MemoryByteStore(MiB), lmdb_store))
+    lmdb_store.mset([(emb.key("a"), garbage)])
+
+    result = run(lambda: emb.aembed(["a", "b"]))
+    assert (result.hits, result.misses) == (0, 2)
+    assert compute.texts == ["a", "b"]
+    assert_vectors(result, ["a", "b"])
+    stats = emb.stats()
+    assert (stats["corrupt_entries"], stats["store_errors"]) == (1, 1)
+    (stored,) = lmdb_store.mget([emb.key("a")])
+    assert stored is not None
+    np.testing.assert_array_equal(codec.decode(stored, DIM), vec("a"))
+    assert run(lambda: emb.aembed(["a"])).hits == 1
+    lmdb_store.close()
+
+
+@pytest.mark.parametrize("tiered", [True, False], ids=["tiered", "bare"])
+def test_a_failing_store_never_fails_the_request(tiered: bool) -> None:
+    store: ByteStore = (
+        TieredByteStore(MemoryByteStore(MiB), BrokenStore()) if tiered else BrokenStore()
+    )
+    emb, _ = memory_cache(store=store)
+    first = run(lambda: emb.aembed(["a", "b"]))
+    assert first.misses == 2
+    assert_vectors(first, ["a", "b"])
+    second = run(lambda: emb.aembed(["a"]))
+    # The memory tier still works when only the second tier is down.
+    assert (second.hits, second.misses) == ((1, 0) if tiered else (0, 1))
+    stats = emb.stats()
+    assert stats["store_errors"] >= 2
+    assert stats["tiers"]["store"]["kind"] == "broken"
+
+
+def test_store_hits_are_promoted_to_memory(tmp_path: Path) -> None:
+    lmdb_store = LmdbByteStore(tmp_path / "db", 64 * MiB)
+    writer, _ = memory_cache(store=TieredByteStore(MemoryByteStore(MiB), lmdb_store))
+    run(lambda: writer.aembed(["a", "b"]))
+
+    reader, compute = memory_cache(store=TieredByteStore(MemoryByteStore(MiB), lmdb_store))
+    run(lambda: reader.aembed(["a", "b"]))  # from LMDB
+    run(lambda: reader.aembed(["a"]))  # from memory
+    tiers = reader.stats()["tiers"]
+    assert (tiers["store"]["hits"], tiers["memory"]["hits"]) == (2, 1)
+    assert tiers["memory"]["entries"] == 2
+    assert compute.calls == []
+    lmdb_store.close()
+
+
+def test_float16_entries_are_half_the_size(tmp_path: Path) -> None:
+    lmdb_store = LmdbByteStore(tmp_path / "db", 64 * MiB)
+    emb, _ = memory_cache(store=lmdb_store, dtype="float16")
+    run(lambda: emb.aembed(["a"]))
+    (stored,) = lmdb_store.mget([emb.key("a")])
+    assert stored is not None and len(stored) == codec.encoded_size(DIM, "float16")
+    hit = run(lambda: emb.aembed(["a"]))
+    assert hit.hits == 1
+    np.testing.assert_allclose(hit.vectors[0], vec("a"), atol=1e-3)
+    lmdb_store.close()
+
+
+def test_contains_peeks_without_counting() -> None:
+    emb, _ = memory_cache()
+    run(lambda: emb.aembed(["a"]))
+    assert run(lambda: emb.acontains(["a", "b"])) == [True, False]
+    stats = emb.stats()
+    assert (stats["hits"], stats["misses"]) == (0, 1)
+
+
+# -- counting for /v1/stats ------------------------------------------------------------------
+
+
+def test_ms_saved_uses_the_per_item_cost_at_each_avoided_call() -> None:
+    cost = [0.0]
+    emb, _ = memory_cache(per_item_ms=lambda: cost[0])
+
+    async def scenario() -> None:
+        cost[0] = 9.0
+        await emb.aembed(["a", "b", "c"])  # all misses: nothing saved
+        cost[0] = 2.0
+        await emb.aembed(["a", "b", "c"])  # 3 avoided x 2.0
+        cost[0] = 5.0
+        await emb.aembed(["a", "d", "d"])  # 1 hit + 1 coalesced x 5.0
+
+    run(scenario)
+    assert emb.savings() == {"calls_avoided": 5, "ms_saved": pytest.approx(16.0)}
+
+
+def test_windows_count_recent_lookups_only() -> None:
+    now = [1000.0]
+    emb, _ = memory_cache(clock=lambda: now[0])
+    run(lambda: emb.aembed(["a", "b"]))  # t=1000: 2 misses
+    now[0] = 1090.0
+    run(lambda: emb.aembed(["a", "c", "c"]))  # t=1090: 1 hit, 1 coalesced, 1 miss
+    windows = emb.stats()["windows"]
+    assert windows["1m"] == {"hits": 2, "misses": 1, "hit_ratio": pytest.approx(2 / 3)}
+    assert windows["5m"] == {"hits": 2, "misses": 3, "hit_ratio": pytest.approx(0.4)}
+    now[0] = 1000.0 + 301
+    windows = emb.stats()["windows"]
+    assert windows["5m"] == {"hits": 2, "misses": 1, "hit_ratio": pytest.approx(2 / 3)}
+    now[0] = 5000.0
+    windows = emb.stats()["windows"]
+    assert windows["1m"] == windows["5m"] == {"hits": 0, "misses": 0, "hit_ratio": 0.0}
+
+
+def test_by_caller_and_lanes() -> None:
+    emb, compute = memory_cache()
+
+    async def scenario() -> None:
+        await emb.aembed(["a", "b"], caller="warmup")
+        await emb.aembed(["a", "c", "c"])
+        await emb.aembed(["d"], caller="dispatch", lane="warmup")
+
+    run(scenario)
+    assert [lane for _, lane in compute.calls] == ["warmup", "dispatch", "warmup"]
+    assert emb.by_caller() == {
+        "warmup": {"hits": 0, "misses": 2, "coalesced": 0},
+        "dispatch": {"hits": 2, "misses": 2, "coalesced": 1},  # hits = not sent to the engine
+    }
+
+
+def test_caller_names_are_bounded() -> None:
+    emb, _ = memory_cache()
+
+    async def scenario() -> None:
+        for i in range(100):
+            await emb.aembed(["a"], caller=f"job-{i}")
+
+    run(scenario)
+    callers = emb.by_caller()
+    assert len(callers) <= 65
+    assert sum(c["hits"] + c["misses"] for c in callers.values()) == 100
+
+
+def test_stats_have_the_api_shape() -> None:
+    emb, _ = memory_cache()
+    stats = emb.stats()
+    assert stats["hit_ratio"] == 0.0
+    assert {"hits", "misses", "coalesced", "hit_ratio", "tiers", "windows"} <= stats.keys()
+    assert {"hits", "entries"} <= stats["tiers"]["memory"].keys()
+    assert {"hits", "kind"} <= stats["tiers"]["store"].keys()
+    assert stats["tiers"]["store"]["kind"] == "none"
+    assert set(stats["windows"]) == {"1m", "5m"}
+    assert emb.savings() == {"calls_avoided": 0, "ms_saved": 0.0}
+    assert emb.by_caller() == {}
+
+
+def test_it_is_a_langchain_embeddings() -> None:
+    emb, _ = memory_cache()
+    warm = emb.with_caller("warmup")
+
+    async def scenario() -> tuple[list[list[float]], list[float]]:
+        docs = await warm.aembed_documents(["a", "b"])
+        query = await emb.aembed_query("a")
+        return docs, query
+
+    docs, query = run(scenario)
+    assert isinstance(docs[0][0], float)
+    np.testing.assert_allclose(query, vec("a"))
+    assert emb.by_caller()["warmup"]["misses"] == 2
+    assert emb.by_caller()["dispatch"]["hits"] == 1
+    with pytest.raises(NotImplementedError):
+        emb.embed_documents(["a"])
+
+
+def test_namespace_must_be_usable() -> None:
+    store = TieredByteStore(MemoryByteStore(MiB))
+    for bad in ["", "has space", "x" * 300]:
+        with pytest.raises(ValueError):
+            CachedEmbedder(FakeCompute(), store, namespace=bad, dim=DIM)
+    with pytest.raises(ValueError):
+        CachedEmbedder(FakeCompute(), store, namespace="n", dim=DIM, dtype="int8")  # type: ignore[arg-type]

@@ -1,0 +1,307 @@
+"""The cache's ByteStores behave like dicts of str -> bytes; the codec rejects bad entries."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+from langchain_core.stores import BaseStore, ByteStore
+
+from cache import codec
+from cache.stores import LmdbByteStore, MemoryByteStore, TieredByteStore, build_store
+
+MiB = 1 << 20
+
+
+class BrokenStore(BaseStore[str, bytes]):
+    """A second tier that is down (Redis unreachable, disk gone)."""
+
+    kind = "broken"
+
+    def mget(self, keys: Sequence[str]) -> list[bytes | None]:
+        raise ConnectionError("store down")
+
+    def mset(self, key_value_pairs: Sequence[tuple[str, bytes]]) -> None:
+        raise ConnectionError("store down")
+
+    def mdelete(self, keys: Sequence[str]) -> None:
+        raise ConnectionError("store down")
+
+    def yield_keys(self, *, prefix: str | None = None) -> Iterator[str]:
+        raise ConnectionError("store down")
+
+
+StoreFactory = Callable[[Path], ByteStore]
+
+FACTORIES: dict[str, StoreFactory] = {
+    "memory": lambda _: MemoryByteStore(MiB),
+    "lmdb": lambda p: LmdbByteStore(p / "db", 64 * MiB),
+    "lmdb-small-scan-chunks": lambda p: LmdbByteStore(p / "db", 64 * MiB, scan_chunk=2),
+    "tiered-memory-lmdb": lambda p: TieredByteStore(
+        MemoryByteStore(MiB), LmdbByteStore(p / "db", 64 * MiB)
+    ),
+    "tiered-memory-only": lambda _: TieredByteStore(MemoryByteStore(MiB), None),
+    # A tiny memory tier in front: most reads are served by the store tier.
+    "tiered-evicting": lambda p: TieredByteStore(
+        MemoryByteStore(15), LmdbByteStore(p / "db", 64 * MiB)
+    ),
+}
+
+
+@pytest.fixture(params=sorted(FACTORIES))
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ByteStore]:
+    s = FACTORIES[request.param](tmp_path)
+    yield s
+    close = getattr(s, "close", None)
+    if close is not None:
+        close()
+
+
+PAIRS = [("a:1", b"one"), ("a:2", b"two"), ("b:1", b"\x00\xffbin"), ("a:10", b"ten")]
+
+
+def test_store_behaves_like_a_dict(store: ByteStore) -> None:
+    assert store.mget(["a:1", "missing"]) == [None, None]
+    store.mset(PAIRS)
+    assert store.mget(["a:1", "b:1", "nope", "a:10"]) == [b"one", b"\x00\xffbin", None, b"ten"]
+    store.mset([("a:1", b"ONE")])
+    assert store.mget(["a:1"]) == [b"ONE"]
+    assert sorted(store.yield_keys()) == ["a:1", "a:10", "a:2", "b:1"]
+    assert sorted(store.yield_keys(prefix="a:")) == ["a:1", "a:10", "a:2"]
+    assert sorted(store.yield_keys(prefix="a:1")) == ["a:1", "a:10"]
+    assert list(store.yield_keys(prefix="zzz")) == []
+    store.mdelete(["a:1", "never-there"])
+    assert store.mget(["a:1", "a:2"]) == [None, b"two"]
+    assert sorted(store.yield_keys()) == ["a:10", "a:2", "b:1"]
+    store.mset([])
+    store.mdelete([])
+
+
+def test_store_async_forms_behave_like_a_dict(store: ByteStore) -> None:
+    async def keys(it: AsyncIterator[str]) -> list[str]:
+        return sorted([k async for k in it])
+
+    async def scenario() -> None:
+        assert await store.amget(["a:1"]) == [None]
+        await store.amset(PAIRS)
+        assert await store.amget(["a:2", "x", "b:1"]) == [b"two", None, b"\x00\xffbin"]
+        assert await keys(store.ayield_keys()) == ["a:1", "a:10", "a:2", "b:1"]
+        assert await keys(store.ayield_keys(prefix="a:")) == ["a:1", "a:10", "a:2"]
+        await store.amdelete(["a:2", "b:1"])
+        assert await store.amget(["a:2", "b:1", "a:1"]) == [None, None, b"one"]
+        assert await keys(store.ayield_keys(prefix="b")) == []
+
+    asyncio.run(scenario())
+
+
+def test_contains_peeks_without_counting(store: ByteStore) -> None:
+    store.mset(PAIRS[:2])
+    assert isinstance(store, MemoryByteStore | LmdbByteStore | TieredByteStore)
+    assert store.contains(["a:1", "zz", "a:2"]) == [True, False, True]
+    assert asyncio.run(store.acontains(["zz", "a:2"])) == [False, True]
+    if isinstance(store, TieredByteStore):
+        assert store.memory_hits == store.store_hits == 0
+
+
+# -- MemoryByteStore ---------------------------------------------------------------------
+
+
+def test_memory_lru_is_bounded_by_key_plus_value_bytes() -> None:
+    mem = MemoryByteStore(max_bytes=30)  # each entry below is 2 + 8 = 10 bytes
+    mem.mset([("k1", b"x" * 8), ("k2", b"x" * 8), ("k3", b"x" * 8)])
+    assert (mem.entries, mem.bytes) == (3, 30)
+    mem.mget(["k1"])  # k1 becomes the most recently used
+    mem.mset([("k4", b"x" * 8)])
+    assert mem.mget(["k1", "k2", "k3", "k4"]) == [b"x" * 8, None, b"x" * 8, b"x" * 8]
+    assert (mem.entries, mem.bytes, mem.evictions) == (3, 30, 1)
+    mem.mset([("k3", b"y" * 18)])  # a bigger value for an existing key evicts the LRU ones
+    assert mem.bytes <= 30
+    assert mem.mget(["k3"]) == [b"y" * 18]
+    mem.mset([("huge", b"z" * 100)])  # larger than the whole budget: not stored
+    assert mem.mget(["huge"]) == [None]
+    assert mem.bytes == sum(len(k) + len(v or b"") for k, v in zip(*_dump(mem), strict=True))
+
+
+def _dump(mem: MemoryByteStore) -> tuple[list[str], list[bytes | None]]:
+    keys = list(mem.yield_keys())
+    return keys, mem.mget(keys)
+
+
+def test_memory_store_with_zero_budget_stores_nothing() -> None:
+    mem = MemoryByteStore(0)
+    mem.mset([("k", b"v")])
+    assert (mem.mget(["k"]), mem.entries, mem.bytes) == ([None], 0, 0)
+    with pytest.raises(ValueError):
+        MemoryByteStore(-1)
+
+
+def test_memory_store_is_thread_safe() -> None:
+    mem = MemoryByteStore(max_bytes=5_000)
+    errors: list[BaseException] = []
+
+    def worker(n: int) -> None:
+        try:
+            for i in range(2_000):
+                key = f"t{n}:{i % 97}"
+                mem.mset([(key, b"v" * (i % 50))])
+                mem.mget([key, f"t{(n + 1) % 4}:{i % 97}"])
+                if i % 7 == 0:
+                    mem.mdelete([key])
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    keys, values = _dump(mem)
+    assert mem.bytes == sum(len(k) + len(v or b"") for k, v in zip(keys, values, strict=True))
+    assert mem.bytes <= 5_000
+
+
+# -- LmdbByteStore -----------------------------------------------------------------------
+
+
+def test_lmdb_survives_a_restart(tmp_path: Path) -> None:
+    first = LmdbByteStore(tmp_path / "db", 64 * MiB)
+    first.mset([("k", b"value"), ("j", b"other")])
+    first.close()
+    first.close()  # idempotent
+    again = LmdbByteStore(tmp_path / "db", 64 * MiB)
+    assert again.mget(["k", "j", "x"]) == [b"value", b"other", None]
+    assert again.entries == 2
+    assert again.info()["entries"] == 2
+    again.close()
+
+
+def test_lmdb_rejects_keys_it_cannot_hold(tmp_path: Path) -> None:
+    db = LmdbByteStore(tmp_path / "db", 64 * MiB)
+    with pytest.raises(ValueError):
+        db.mset([("", b"v")])
+    with pytest.raises(ValueError):
+        db.mset([("k" * 600, b"v")])
+    assert db.mget(["", "k" * 600]) == [None, None]  # lookups of impossible keys just miss
+    db.close()
+
+
+def test_lmdb_without_fsync_still_works(tmp_path: Path) -> None:
+    db = LmdbByteStore(tmp_path / "db", 64 * MiB, sync=False)
+    db.mset([("k", b"v")])
+    assert db.mget(["k"]) == [b"v"]
+    db.close()
+
+
+# -- TieredByteStore ---------------------------------------------------------------------
+
+
+def test_tiered_promotes_store_hits_to_memory(tmp_path: Path) -> None:
+    lmdb_store = LmdbByteStore(tmp_path / "db", 64 * MiB)
+    lmdb_store.mset([("k", b"v")])
+    tiered = TieredByteStore(MemoryByteStore(MiB), lmdb_store)
+    assert tiered.mget(["k", "x"]) == [b"v", None]
+    assert (tiered.memory_hits, tiered.store_hits) == (0, 1)
+    assert tiered.memory.mget(["k"]) == [b"v"]
+    assert asyncio.run(tiered.amget(["k"])) == [b"v"]
+    assert (tiered.memory_hits, tiered.store_hits) == (1, 1)
+    tiered.mset([("n", b"new")])  # writes reach both tiers
+    assert lmdb_store.mget(["n"]) == [b"new"]
+    assert tiered.store_kind == "lmdb"
+    tiered.close()
+
+
+def test_tiered_survives_a_broken_store(caplog: pytest.LogCaptureFixture) -> None:
+    tiered = TieredByteStore(MemoryByteStore(MiB), BrokenStore())
+    with caplog.at_level(logging.WARNING, logger="fleetcache.cache"):
+        tiered.mset([("k", b"v")])
+        assert tiered.mget(["k", "x"]) == [b"v", None]
+        assert asyncio.run(tiered.amget(["y"])) == [None]
+        asyncio.run(tiered.amset([("z", b"zz")]))
+        assert tiered.memory.mget(["z"]) == [b"zz"]
+        tiered.mdelete(["k"])
+        assert tiered.mget(["k"]) == [None]
+        assert sorted(tiered.yield_keys()) == ["z"]
+        assert tiered.contains(["z", "q"]) == [True, False]
+    assert tiered.store_errors >= 6
+    assert tiered.store_kind == "broken"
+    assert any("store down" in r.getMessage() for r in caplog.records)
+    assert len(caplog.records) == 1  # throttled: one warning, not one per failure
+
+
+def test_tiered_yields_each_key_once(tmp_path: Path) -> None:
+    tiered = TieredByteStore(MemoryByteStore(MiB), LmdbByteStore(tmp_path / "db", 64 * MiB))
+    tiered.mset([("p:1", b"1"), ("p:2", b"2")])
+    tiered.store.mset([("p:3", b"3")])  # type: ignore[union-attr]  # only in the store tier
+    tiered.memory.mset([("p:4", b"4")])  # only in memory (its store write failed)
+    assert sorted(tiered.yield_keys(prefix="p:")) == ["p:1", "p:2", "p:3", "p:4"]
+    tiered.close()
+
+
+def test_build_store_kinds(tmp_path: Path) -> None:
+    lmdb_tiered = build_store("lmdb", memory_bytes=MiB, data_dir=tmp_path, map_size=64 * MiB)
+    assert lmdb_tiered.store_kind == "lmdb"
+    assert (tmp_path / "cache.lmdb").is_dir()
+    lmdb_tiered.close()
+    assert build_store("memory", memory_bytes=MiB).store_kind == "none"
+    with pytest.raises(NotImplementedError):
+        build_store("redis", memory_bytes=MiB)
+    with pytest.raises(ValueError):
+        build_store("sqlite", memory_bytes=MiB)
+
+
+# -- codec -------------------------------------------------------------------------------
+
+
+def test_codec_roundtrip_float32_is_exact_and_compact() -> None:
+    vec = np.random.default_rng(0).standard_normal(384).astype(np.float32)
+    data = codec.encode(vec)
+    assert len(data) == codec.encoded_size(384) == 12 + 384 * 4
+    out = codec.decode(data, expected_dim=384)
+    assert out.dtype == np.float32
+    assert np.array_equal(out, vec)
+    assert codec.decode(data) is not None  # dim check is optional
+
+
+def test_codec_float16_halves_the_payload() -> None:
+    vec = np.random.default_rng(1).standard_normal(384).astype(np.float32)
+    data = codec.encode(vec, "float16")
+    assert len(data) == 12 + 384 * 2
+    out = codec.decode(data, 384)
+    assert out.dtype == np.float32
+    np.testing.assert_allclose(out, vec, rtol=1e-3, atol=1e-3)
+
+
+GOOD = codec.encode(np.arange(8, dtype=np.float32))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        b"",
+        b"garbage",
+        GOOD[:-1],  # truncated payload
+        GOOD[:10],  # truncated header
+        GOOD + b"\x00",  # trailing bytes
+        b"XX" + GOOD[2:],  # magic
+        GOOD[:2] + b"\x09" + GOOD[3:],  # unknown version
+        GOOD[:3] + b"\x07" + GOOD[4:],  # unknown dtype
+        GOOD[:-1] + bytes([GOOD[-1] ^ 1]),  # flipped bit: crc mismatch
+        codec.encode(np.arange(4, dtype=np.float32)),  # wrong dim
+    ],
+)
+def test_codec_rejects_corrupt_entries(bad: bytes) -> None:
+    with pytest.raises(codec.CorruptEntryError):
+        codec.decode(bad, expected_dim=8)
+
+
+def test_codec_rejects_bad_input() -> None:
+    with pytest.raises(ValueError):
+        codec.encode(np.zeros((2, 2), np.float32))
+    with pytest.raises(ValueError):
+        codec.encode(np.zeros(2, np.float32), "int8")  # type: ignore[arg-type]
