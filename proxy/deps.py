@@ -1,0 +1,34 @@
+"""Typed dependencies: routes receive services through these aliases (STYLE.md rule 2)."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from fastapi import Depends, Header, Request
+
+from proxy.errors import APIError
+from proxy.services import Services
+
+_CALLER = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,31}$")
+
+
+def get_services(request: Request) -> Services:
+    services: Services | None = request.app.state.services
+    if services is None:
+        reason = request.app.state.startup_error or "the service is starting"
+        raise APIError(503, reason, type="not_ready")
+    return services
+
+
+def get_caller(x_caller: Annotated[str | None, Header()] = None) -> str:
+    caller = (x_caller or "dispatch").strip().lower()
+    if not _CALLER.match(caller):
+        raise APIError(
+            422, "X-Caller must be 1-32 characters of a-z, 0-9, '_', '.', '-'", param="X-Caller"
+        )
+    return caller
+
+
+ServicesDep = Annotated[Services, Depends(get_services)]
+CallerDep = Annotated[str, Depends(get_caller)]

@@ -1,0 +1,117 @@
+"""Every error leaves the service in OpenAI's shape, never as a stack trace (API.md)::
+
+    {"error": {"type": "...", "message": "...", "param": "..." | null}}
+
+Exceptions translated here, one handler per family::
+
+    APIError                        raised by our routes: status, type, message, param
+    RequestValidationError          pydantic/FastAPI: 422 (400 for malformed JSON), param = field
+    StarletteHTTPException          unknown path 404, wrong method 405, ...
+    features UnknownConstraintError 422, param "constraints", lists the known ones
+    engines QueueFullError          429 (retry later)
+    engines EngineError             503 (the engine failed; hits are still served)
+    Exception                       500 "internal_error", logged with its traceback
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engines.base import EngineError, QueueFullError
+from features.constraints import UnknownConstraintError
+
+log = logging.getLogger("fleetcache.proxy")
+
+
+class APIError(Exception):
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, type: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+
+def error_response(
+    status: int, message: str, *, type: str, param: str | None = None, headers: Any = None
+) -> JSONResponse:
+    body = {"error": {"type": type, "message": message, "param": param}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def field_path(loc: Sequence[int | str]) -> str:
+    """``("body", "drivers", 3, "vehicle", "type")`` -> ``drivers[3].vehicle.type``."""
+    out = ""
+    for part in loc[1:] if loc and loc[0] in ("body", "query", "path", "header") else loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not part.startswith(("function-", "tagged-union")):  # pydantic union branch labels
+            out += f".{part}" if out else part
+    return out
+
+
+def _validation(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    if first.get("type") == "json_invalid":
+        return error_response(400, f"malformed JSON: {first.get('msg')}", type="invalid_json")
+    param = field_path(first.get("loc", ())) or None
+    message = "; ".join(
+        f"{field_path(e.get('loc', ())) or 'body'}: {e.get('msg')}" for e in errors[:5]
+    )
+    if len(errors) > 5:
+        message += f"; and {len(errors) - 5} more"
+    return error_response(422, message, type="invalid_request_error", param=param)
+
+
+def _api_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    return error_response(exc.status, exc.message, type=exc.type, param=exc.param)
+
+
+def _http(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return error_response(exc.status_code, str(exc.detail), type=kind, headers=exc.headers)
+
+
+def _constraint(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(422, str(exc), type="invalid_request_error", param="constraints")
+
+
+def _queue_full(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(
+        429,
+        f"inference queue is full: {exc}",
+        type="rate_limit_error",
+        headers={"Retry-After": "1"},
+    )
+
+
+def _engine(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(503, f"inference engine unavailable: {exc}", type="engine_error")
+
+
+def _unhandled(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(500, "internal error; see the server log", type="internal_error")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, _validation)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http)
+    app.add_exception_handler(UnknownConstraintError, _constraint)
+    app.add_exception_handler(QueueFullError, _queue_full)
+    app.add_exception_handler(EngineError, _engine)
+    app.add_exception_handler(Exception, _unhandled)

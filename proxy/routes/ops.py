@@ -1,0 +1,41 @@
+"""Operators: ``/v1/stats``, ``/healthz``, ``/readyz`` and ``/metrics``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from proxy.deps import ServicesDep
+from proxy.errors import error_response
+from proxy.stats import build_stats
+
+router = APIRouter(tags=["operators"])
+
+
+@router.get("/v1/stats")
+async def stats(services: ServicesDep) -> dict[str, Any]:
+    return build_stats(services)
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+async def readyz(request: Request) -> Response:
+    services = request.app.state.services
+    if services is None:
+        reason = request.app.state.startup_error or "the service is starting"
+        return error_response(503, reason, type="not_ready")
+    ready, reason = services.ready
+    if not ready:
+        return error_response(503, reason, type="not_ready")
+    return Response('{"status":"ready"}', media_type="application/json")
+
+
+@router.get("/metrics")
+async def metrics(services: ServicesDep) -> Response:
+    return Response(generate_latest(services.registry), media_type=CONTENT_TYPE_LATEST)

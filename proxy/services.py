@@ -1,0 +1,146 @@
+"""Everything heavy, built once in ``open_services`` and torn down in reverse order.
+
+The lifespan of the app and the direct-mode warm-up CLI both enter ``open_services`` on one
+``AsyncExitStack``: engine (loaded and warmed off the event loop), batcher, cache tiers, fleet
+index (loaded from its last snapshot, saved again on the way out).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from cache.embedder import CachedEmbedder, EmbedResult
+from cache.stores import LmdbByteStore, MemoryByteStore, TieredByteStore
+from engines.base import Engine, EngineError
+from engines.batcher import Batcher
+from engines.registry import create_engine
+from features.models import DriverRecord
+from features.text import TEXT_SCHEMA_VERSION, driver_text
+from indexes.store import FleetVectorStore
+from proxy.settings import Settings
+from proxy.telemetry import RequestLatency
+
+log = logging.getLogger("fleetcache.proxy")
+
+Progress = Callable[[int, int], None]  # (done, total)
+
+
+def lane_for(caller: str) -> str:
+    """Warm-up jobs ride the low-priority lane so they never starve dispatch."""
+    return "warmup" if caller == "warmup" else "dispatch"
+
+
+@dataclass
+class Services:
+    settings: Settings
+    engine: Engine
+    batcher: Batcher
+    embedder: CachedEmbedder
+    index: FleetVectorStore
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    started: float = field(default_factory=time.monotonic)
+    index_ready: bool = False
+    index_revision: int = 0  # bumped on every fleet change; snapshots skip when unchanged
+    latency: RequestLatency = field(init=False)
+
+    def __post_init__(self) -> None:
+        from proxy.metrics import StatsCollector  # metrics reads Services: import late
+
+        self.latency = RequestLatency(self.registry, self.settings.latency_window)
+        self.registry.register(StatsCollector(self))
+
+    @property
+    def ready(self) -> tuple[bool, str]:
+        if not self.batcher.healthy:
+            return False, f"engine failing: {self.batcher.stats().last_error}"
+        if not self.index_ready:
+            return False, "fleet index loading"
+        return True, "ready"
+
+    async def embed(self, texts: Sequence[str], caller: str) -> EmbedResult:
+        return await self.embedder.aembed(texts, caller=caller, lane=lane_for(caller))
+
+    async def upsert_drivers(
+        self, records: Sequence[DriverRecord], caller: str
+    ) -> tuple[int, EmbedResult]:
+        """Embed (through the cache) and index; the index changes only if every text embedded."""
+        result = await self.embed([driver_text(r) for r in records], caller)
+        self.index.upsert_drivers(records, result.vectors)
+        self.index_revision += 1
+        return len(records), result
+
+    def snapshot(self) -> None:
+        self.index.save(self.settings.index_dir)
+
+
+def build_store(settings: Settings) -> TieredByteStore:
+    memory = MemoryByteStore(max_bytes=int(settings.memory_cache_mb * 2**20))
+    if settings.store == "memory":
+        return TieredByteStore(memory, None)
+    if settings.store == "lmdb":
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        lmdb = LmdbByteStore(settings.lmdb_path, map_size=int(settings.lmdb_map_size_gb * 2**30))
+        return TieredByteStore(memory, lmdb)
+    raise EngineError(f"FLEETCACHE_STORE={settings.store} is not available in this build")
+
+
+def engine_options(settings: Settings) -> dict[str, Any]:
+    if settings.engine == "fake":
+        return {}
+    options: dict[str, Any] = {"device": settings.device, "max_seq_length": settings.max_seq_length}
+    if settings.model_path:
+        options["model_path"] = settings.model_path
+    return options
+
+
+@contextlib.asynccontextmanager
+async def open_services(
+    settings: Settings, engine: Engine | None = None
+) -> AsyncIterator[Services]:
+    """Build every component; an injected ``engine`` (tests) replaces the configured one."""
+    async with contextlib.AsyncExitStack() as stack:
+        if engine is None:
+            engine = create_engine(settings.engine, **engine_options(settings))
+        log.info("loading engine %s", settings.engine)
+        await asyncio.to_thread(engine.load)
+        stack.callback(engine.close)
+        await asyncio.to_thread(engine.warmup)
+        info = engine.info
+        log.info(
+            "engine ready: %s on %s (%s), fingerprint %s",
+            info.model,
+            info.device,
+            info.precision,
+            info.fingerprint,
+        )
+
+        batcher = Batcher(
+            engine,
+            max_batch_size=settings.max_batch_size,
+            max_delay_ms=settings.max_delay_ms,
+            max_queue=settings.max_queue,
+        )
+        await stack.enter_async_context(batcher)
+
+        embedder = CachedEmbedder(
+            batcher.submit,
+            build_store(settings),
+            namespace=f"t{TEXT_SCHEMA_VERSION}-{info.fingerprint}",
+            dim=info.dim,
+            per_item_ms=lambda: batcher.per_item_ms,
+        )
+        stack.push_async_callback(embedder.aclose)
+
+        index = await asyncio.to_thread(FleetVectorStore.load, settings.index_dir, info.dim)
+        log.info("fleet index loaded: %d drivers", len(index))
+        services = Services(settings, engine, batcher, embedder, index)
+        stack.callback(services.snapshot)  # exit runs in reverse: saved first, engine closed last
+        yield services

