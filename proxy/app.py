@@ -18,9 +18,10 @@ from fastapi import FastAPI
 from engines.base import Engine
 from features.synthetic import generate_fleet
 from proxy.errors import install_error_handlers
-from proxy.routes import dispatch, embeddings, features, fleet, ops
+from proxy.routes import dispatch, embeddings, features, fleet, ops, warmup
 from proxy.services import Services, open_services
 from proxy.settings import Settings
+from proxy.warmup import WarmupJobs
 
 log = logging.getLogger("fleetcache.proxy")
 DEMO_CHUNK = 250
@@ -77,11 +78,13 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.services = None
         app.state.startup_error = None
+        app.state.jobs = WarmupJobs()
         stop = asyncio.Event()
         task = asyncio.create_task(run_services(app, settings, engine, stop))
         try:
             yield
         finally:
+            await app.state.jobs.aclose()
             stop.set()
             await task
 
@@ -92,6 +95,6 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     install_error_handlers(app)
-    for module in (embeddings, features, fleet, dispatch, ops):
+    for module in (embeddings, features, fleet, dispatch, warmup, ops):
         app.include_router(module.router)
     return app

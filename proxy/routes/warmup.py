@@ -1,0 +1,105 @@
+"""Warm-up jobs over HTTP (``/v1/warmup``) and roster coverage (``/v1/coverage``).
+
+A job reads a file on the server (a path inside the data dir) or a JSONL body uploaded with
+the request, and runs in the background as caller ``warmup`` on the batcher's low lane.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from proxy.deps import ServicesDep
+from proxy.errors import APIError
+from proxy.warmup import WarmupJobs, WarmupProgress, coverage
+
+router = APIRouter(tags=["warm-up"])
+JSONL_TYPES = ("application/x-ndjson", "application/jsonl", "application/x-jsonlines")
+
+
+def get_jobs(request: Request) -> WarmupJobs:
+    jobs: WarmupJobs = request.app.state.jobs
+    return jobs
+
+
+JobsDep = Annotated[WarmupJobs, Depends(get_jobs)]
+
+
+class WarmupFromPath(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    path: str = Field(min_length=1, description="a file inside the server's data dir")
+    chunk_size: int = Field(500, ge=1, le=10_000)
+
+
+class CoverageRequest(BaseModel):
+    driver_ids: list[str] = Field(min_length=1, max_length=1_000_000)
+
+
+def job_json(job_id: str, progress: WarmupProgress) -> dict[str, Any]:
+    return {"id": job_id, **progress.as_dict()}
+
+
+def server_path(services: ServicesDep, raw: str) -> Path:
+    root = services.settings.data_dir.resolve()
+    path = (root / raw).resolve()
+    if not path.is_relative_to(root):
+        raise APIError(422, f"path must be inside the data dir {root}", param="path")
+    if not path.is_file():
+        raise APIError(422, f"no such file in the data dir: {raw}", param="path")
+    return path
+
+
+@router.post("/v1/warmup")
+async def start_warmup(request: Request, services: ServicesDep, jobs: JobsDep) -> dict[str, Any]:
+    content_type = request.headers.get("content-type", "").split(";")[0].strip()
+    if content_type in JSONL_TYPES:
+        upload = services.settings.data_dir / "warmup" / f"upload-{time.time_ns()}.jsonl"
+        upload.parent.mkdir(parents=True, exist_ok=True)
+        with upload.open("wb") as out:
+            async for block in request.stream():
+                out.write(block)
+        path, chunk_size = upload, 500
+    else:
+        try:
+            body = WarmupFromPath.model_validate_json(await request.body())
+        except ValueError as exc:
+            raise APIError(
+                422,
+                f"send {{'path': ...}} as JSON or a JSONL body ({JSONL_TYPES[0]}): {exc}",
+                param="path",
+            ) from None
+        path, chunk_size = server_path(services, body.path), body.chunk_size
+    job_id = jobs.start(services, path, chunk_size=chunk_size)
+    progress = jobs.get(job_id)
+    assert progress is not None
+    return job_json(job_id, progress)
+
+
+@router.get("/v1/warmup")
+async def list_warmups(jobs: JobsDep) -> dict[str, Any]:
+    return {"jobs": [job_json(i, p) for i, p in jobs.all().items()]}
+
+
+def known_job(jobs: WarmupJobs, job_id: str, progress: WarmupProgress | None) -> dict[str, Any]:
+    if progress is None:
+        raise APIError(404, f"unknown warm-up job {job_id!r}", param="job_id", type="not_found")
+    return job_json(job_id, progress)
+
+
+@router.get("/v1/warmup/{job_id}")
+async def get_warmup(job_id: str, jobs: JobsDep) -> dict[str, Any]:
+    return known_job(jobs, job_id, jobs.get(job_id))
+
+
+@router.delete("/v1/warmup/{job_id}")
+async def cancel_warmup(job_id: str, jobs: JobsDep) -> dict[str, Any]:
+    return known_job(jobs, job_id, jobs.cancel(job_id))
+
+
+@router.post("/v1/coverage")
+async def roster_coverage(body: CoverageRequest, services: ServicesDep) -> dict[str, Any]:
+    return await coverage(services, body.driver_ids)

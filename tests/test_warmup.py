@@ -1,0 +1,221 @@
+"""Warm-up jobs: the three formats, bad rows, dry runs, resume after kill -9, cancel, coverage."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from typer.testing import CliRunner
+
+from cache.codec import decode
+from cache.stores import LmdbByteStore
+from engines.fake import FakeEngine
+from features.readers import write_records
+from features.synthetic import generate_fleet
+from features.text import driver_text
+from proxy.cli import app as cli
+from tests.conftest import make_settings, open_client, wait_ready
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def fleet_file(path: Path, n: int, seed: int = 0) -> list[str]:
+    """Write n drivers, then append two bad rows where the format allows; return the ids."""
+    drivers = generate_fleet(n, seed=seed)
+    write_records(drivers, path)
+    if path.suffix == ".jsonl":
+        with path.open("a") as f:
+            f.write('{"driver_id": "BAD1", "status": "available"\n')  # line n+1: bad JSON
+            bad = drivers[0].model_dump(mode="json")
+            bad["vehicle"]["capacity_kg"] = -5
+            f.write(json.dumps({**bad, "driver_id": "BAD2"}) + "\n")  # line n+2
+    elif path.suffix == ".csv":
+        with path.open("a") as f:
+            f.write("BAD3,available,91.0,0,,V1,van,electric,100,1,1,,,,,,,,,\n")  # line n+2
+    return [d.driver_id for d in drivers]
+
+
+@pytest.fixture
+def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    data = tmp_path / "data"
+    monkeypatch.setenv("FLEETCACHE_ENGINE", "fake")
+    monkeypatch.setenv("FLEETCACHE_DATA_DIR", str(data))
+    monkeypatch.setenv("FLEETCACHE_LMDB_MAP_SIZE_GB", "0.25")
+    monkeypatch.chdir(tmp_path)
+    return data
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".parquet"])
+def test_cli_warmup_fills_cache_and_index_from_each_format(
+    env: Path, tmp_path: Path, suffix: str
+) -> None:
+    source = tmp_path / f"fleet{suffix}"
+    ids = fleet_file(source, 120, seed=2)
+    result = CliRunner().invoke(cli, ["warmup", str(source), "--chunk-size", "50"])
+    assert result.exit_code == 0, result.output
+    assert "warm-up done" in result.output and "120 indexed" in result.output
+
+    lines = Path(f"fleet{suffix}.rejects.jsonl").read_text().splitlines()
+    rejects = [json.loads(line) for line in lines]
+    if suffix == ".jsonl":
+        assert [r["line"] for r in rejects] == [121, 122]
+        assert "JSON" in rejects[0]["error"] and "vehicle.capacity_kg" in rejects[1]["error"]
+    elif suffix == ".csv":
+        assert [r["line"] for r in rejects] == [122] and "position.lat" in rejects[0]["error"]
+
+    engine = FakeEngine()
+    with open_client(make_settings(env), engine) as client:
+        wait_ready(client)
+        warm = engine.items
+        assert client.get(f"/v1/fleet/drivers/{ids[77]}").status_code == 200
+        texts = [driver_text(d) for d in generate_fleet(120, seed=2)]
+        response = client.post("/v1/embeddings", json={"input": texts})
+        assert response.headers["X-Cache-Misses"] == "0"
+        assert engine.items == warm
+
+
+def test_dry_run_validates_and_writes_nothing(env: Path, tmp_path: Path) -> None:
+    source = tmp_path / "fleet.jsonl"
+    fleet_file(source, 40)
+    result = CliRunner().invoke(cli, ["warmup", str(source), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "40 would index" in result.output and "2 rejected" in result.output
+    assert not (env / "cache.lmdb").exists() and not (env / "index").exists()
+
+
+def test_unreadable_input_is_a_nonzero_exit(env: Path, tmp_path: Path) -> None:
+    assert CliRunner().invoke(cli, ["warmup", str(tmp_path / "missing.jsonl")]).exit_code == 2
+    (tmp_path / "fleet.xml").write_text("<drivers/>")
+    assert CliRunner().invoke(cli, ["warmup", str(tmp_path / "fleet.xml")]).exit_code == 2
+
+
+def test_resume_after_kill_embeds_nothing_twice(env: Path, tmp_path: Path) -> None:
+    source = tmp_path / "big.jsonl"
+    drivers = generate_fleet(12_000, seed=7)
+    write_records(drivers, source)
+    command = [
+        sys.executable,
+        "-m",
+        "proxy.cli",
+        "warmup",
+        str(source),
+        "--chunk-size",
+        "100",
+        "--checkpoint-every",
+        "0.2",
+    ]
+    checkpoint = env / "warmup" / "big.jsonl.checkpoint.json"
+    first = subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and first.poll() is None:
+        if checkpoint.exists() and json.loads(checkpoint.read_text())["rows"] >= 1000:
+            break
+        time.sleep(0.05)
+    assert first.poll() is None, "the first run ended before it could be killed"
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    done_before = json.loads(checkpoint.read_text())["rows"]
+    assert 0 < done_before < 12_000
+
+    store = LmdbByteStore(env / "cache.lmdb")
+    durable = sorted(store.yield_keys())
+    for value in store.mget(durable):  # nothing half-written decodes wrongly
+        assert value is not None and decode(value, expected_dim=384).shape == (384,)
+    store.close()
+
+    second = subprocess.run(
+        command,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert second.returncode == 0, second.stderr
+    summary = second.stderr + second.stdout
+    assert f"resumed after row {done_before}" in summary
+    embedded = int(summary.split(" embedded")[0].rsplit(" ", 1)[1].replace(",", ""))
+    distinct = len({driver_text(d) for d in drivers})
+    assert len(durable) + embedded == distinct  # every text embedded exactly once in all
+    assert not checkpoint.exists()
+
+    engine = FakeEngine()
+    with open_client(make_settings(env), engine) as client:
+        wait_ready(client)
+        stats = client.get("/v1/stats").json()
+        assert stats["fleet"]["drivers"] == 12_000
+
+
+def test_api_job_from_upload_cancel_and_resume(tmp_path: Path) -> None:
+    settings = make_settings(tmp_path / "data")
+    settings.data_dir.mkdir(parents=True)
+    source = settings.data_dir / "fleet.jsonl"
+    write_records(generate_fleet(6_000, seed=4), source)
+    with open_client(settings) as client:
+        wait_ready(client)
+        started = client.post("/v1/warmup", json={"path": "fleet.jsonl", "chunk_size": 50})
+        assert started.status_code == 200, started.text
+        job = started.json()["id"]
+        assert client.delete(f"/v1/warmup/{job}").status_code == 200
+        state = poll(client, job)
+        assert state["state"] == "cancelled" and state["rows"] < 6_000
+
+        resumed = poll(client, client.post("/v1/warmup", json={"path": "fleet.jsonl"}).json()["id"])
+        assert resumed["state"] == "done", resumed
+        assert resumed["resumed_from"] == state["rows"] and resumed["rows"] == 6_000
+        assert client.get("/v1/stats").json()["by_caller"]["warmup"]["misses"] > 0
+
+        body = "".join(d.model_dump_json() + "\n" for d in generate_fleet(30, seed=99))
+        body += "not json\n"
+        upload = client.post(
+            "/v1/warmup", content=body.encode(), headers={"Content-Type": "application/x-ndjson"}
+        )
+        finished = poll(client, upload.json()["id"])
+        assert (finished["state"], finished["indexed"], finished["rejected"]) == ("done", 30, 1)
+
+        outside = client.post("/v1/warmup", json={"path": "../../etc/passwd"})
+        assert outside.status_code == 422 and outside.json()["error"]["param"] == "path"
+        assert client.get("/v1/warmup/nope").status_code == 404
+
+
+def poll(client: TestClient, job: str) -> dict:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        state = client.get(f"/v1/warmup/{job}").json()
+        if state["state"] != "running":
+            return state
+        time.sleep(0.05)
+    raise AssertionError(f"job {job} still running")
+
+
+def test_coverage_of_a_roster(tmp_path: Path) -> None:
+    settings = make_settings(tmp_path / "data", store="memory")
+    drivers = generate_fleet(10, seed=12)
+    with open_client(settings) as client:
+        wait_ready(client)
+        client.put(
+            "/v1/fleet/drivers", json={"drivers": [d.model_dump(mode="json") for d in drivers]}
+        )
+        roster = [d.driver_id for d in drivers] + ["GHOST1", "GHOST2"]
+        result = client.post("/v1/coverage", json={"driver_ids": roster}).json()
+        assert (result["roster"], result["known"], result["cached"]) == (12, 10, 10)
+        assert result["share"] == pytest.approx(10 / 12)
+        assert sorted(result["not_covered"]) == ["GHOST1", "GHOST2"]
+    # a restart with a memory-only cache keeps the index but not the vectors
+    with open_client(settings) as client:
+        wait_ready(client)
+        result = client.post("/v1/coverage", json={"driver_ids": roster}).json()
+        assert (result["known"], result["cached"]) == (10, 0)
