@@ -81,6 +81,35 @@ class GeoGrid:
         self._lat[ident] = lat
         self._lng[ident] = lng
 
+    def move_many(self, idents: npt.ArrayLike, lats: npt.ArrayLike, lngs: npt.ArrayLike) -> None:
+        """``move`` for many ids of the grid at once (validated first; a repeated id: last wins).
+
+        Cells are computed vectorised with the same float operations as ``move``; only the ids
+        whose cell changes touch the cell sets (a short move stays in its cell).
+        """
+        ids = np.asarray(idents, dtype=np.int64)
+        la = np.asarray(lats, dtype=np.float64)
+        ln = np.asarray(lngs, dtype=np.float64)
+        if not ids.shape == la.shape == ln.shape or ids.ndim != 1:
+            raise ValueError(f"shapes differ: ids {ids.shape}, lats {la.shape}, lngs {ln.shape}")
+        if not ((la >= -90.0) & (la <= 90.0) & (ln >= -180.0) & (ln <= 180.0)).all():
+            raise ValueError("positions out of range (or not finite)")
+        key_of = self._key_of
+        if any(i not in key_of for i in ids.tolist()):
+            raise KeyError("move_many moves ids already in the grid; use move to insert")
+        rows = np.minimum(np.floor((la + 90.0) / self._cell).astype(np.int64), self._nrows - 1)
+        cols = np.floor((ln + 180.0) / self._cell).astype(np.int64) % self._ncols
+        keys = (rows * self._ncols + cols).tolist()
+        cells = self._cells
+        for ident, key in zip(ids.tolist(), keys, strict=True):
+            old = key_of[ident]
+            if old != key:
+                self._discard(old, ident)
+                cells.setdefault(key, set()).add(ident)
+                key_of[ident] = key
+        self._lat[ids] = la  # numpy assigns in order: for a repeated id the last value stays
+        self._lng[ids] = ln
+
     def remove(self, ident: int) -> bool:
         key = self._key_of.pop(ident, None)
         if key is None:

@@ -8,7 +8,9 @@ Replacing a driver's vector removes its old FAISS id and adds the new vector und
 Per slot we keep the record, a float32 mirror of its FAISS vector, its status code, its cargo
 limits, and the value of every named constraint, so ``recommend`` is a handful of numpy
 operations over the drivers the ``GeoGrid`` finds in the radius, never a Python loop over the
-fleet. Positions and statuses change in place (``update_driver``) without touching vectors.
+fleet. Positions and statuses change in place (``update_driver``, batched
+``update_positions``) without touching vectors: the columns and the grid are updated at once,
+while the record of a moved driver is rebuilt lazily (``_stale``), the next time it is read.
 
 The store is meant for one thread (the proxy's event loop); an internal lock also makes
 ``save`` from a worker thread safe (it copies the state under the lock, then writes without it).
@@ -19,6 +21,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any, get_args
 
@@ -91,6 +94,10 @@ class FleetVectorStore(BasePydanticVectorStore):
     _status: npt.NDArray[np.int8] = PrivateAttr()
     _cargo: npt.NDArray[np.float64] = PrivateAttr()  # capacity_kg, cargo_volume_m3, height
     _cbits: npt.NDArray[np.bool_] = PrivateAttr()  # [slot, constraint] -> satisfied
+    # True when the slot's record predates a batched move: its position is (grid lat/lng,
+    # _ts[slot]); _record() rebuilds it on the next read.
+    _stale: npt.NDArray[np.bool_] = PrivateAttr()
+    _ts: npt.NDArray[np.object_] = PrivateAttr()  # position timestamp of stale slots
 
     def __init__(self, dim: int, *, cell_deg: float = 0.05) -> None:
         super().__init__(stores_text=True)
@@ -105,6 +112,8 @@ class FleetVectorStore(BasePydanticVectorStore):
         self._status = np.full(0, _FREE, dtype=np.int8)
         self._cargo = np.zeros((0, 3))
         self._cbits = np.zeros((0, len(self._constraints)), dtype=bool)
+        self._stale = np.zeros(0, dtype=bool)
+        self._ts = np.full(0, None, dtype=object)
 
     @classmethod
     def class_name(cls) -> str:
@@ -137,8 +146,9 @@ class FleetVectorStore(BasePydanticVectorStore):
         return list(self._slot_of)
 
     def get_driver(self, driver_id: str) -> DriverRecord | None:
-        slot = self._slot_of.get(driver_id)
-        return None if slot is None else self._records[slot]
+        with self._lock:
+            slot = self._slot_of.get(driver_id)
+            return None if slot is None else self._record(slot)
 
     def get_vector(self, driver_id: str) -> Vectors | None:
         """A copy of the driver's stored (unit) vector."""
@@ -184,10 +194,13 @@ class FleetVectorStore(BasePydanticVectorStore):
         """Move a driver and/or change its status: no vector work. KeyError if unknown."""
         if status is not None and status not in _STATUS_CODE:
             raise ValueError(f"status must be one of {', '.join(_STATUS_CODE)}, got {status!r}")
-        if position is not None:
+        if position is not None and type(position) is not Position:
             position = Position.model_validate(position)
-        with self._lock:
-            slot = self._slot_of.get(driver_id)
+        # The hot path of PATCH: private attributes of a pydantic model cost a __getattr__
+        # call each, so they are read once from the private dict.
+        priv: Any = self.__pydantic_private__
+        with priv["_lock"]:
+            slot = priv["_slot_of"].get(driver_id)
             if slot is None:
                 raise KeyError(driver_id)
             record = self._record(slot)
@@ -199,12 +212,49 @@ class FleetVectorStore(BasePydanticVectorStore):
             if not changes:
                 return record
             record = record.model_copy(update=changes)
-            self._records[slot] = record
-            self._status[slot] = _STATUS_CODE[record.status]
-            self._cbits[slot] = self._constraint_bits([record])[0]
+            priv["_records"][slot] = record
+            if status is not None:
+                priv["_status"][slot] = _STATUS_CODE[status]
+                # Constraints read the slowly-changing parts today; recomputed on a status
+                # change anyway, so a constraint on status could not go stale.
+                priv["_cbits"][slot] = self._constraint_bits([record])[0]
             if position is not None:
-                self._grid.move(slot, position.lat, position.lng)
+                priv["_grid"].move(slot, position.lat, position.lng)
             return record
+
+    def update_positions(
+        self,
+        driver_ids: Sequence[str],
+        lats: npt.ArrayLike,
+        lngs: npt.ArrayLike,
+        ts: datetime | None = None,
+    ) -> None:
+        """Move many drivers at once (``update_driver(id, position=Position(lat, lng, ts))``
+        for each, one ``ts`` for the batch). All-or-nothing: a KeyError for an unknown driver
+        or a ValueError for a bad position changes nothing. A repeated driver: the last wins.
+
+        Vectorised: the grid and the columns change now, each moved driver's record is
+        rebuilt when it is next read (``get_driver`` returns exactly that record).
+        """
+        la = np.asarray(lats, dtype=np.float64)
+        ln = np.asarray(lngs, dtype=np.float64)
+        ids = list(driver_ids)
+        if not len(ids) == la.size == ln.size or la.ndim != 1 or ln.ndim != 1:
+            raise ValueError(f"{len(ids)} ids, lats of shape {la.shape}, lngs of {ln.shape}")
+        if ts is not None:
+            ts = Position(lat=0.0, lng=0.0, ts=ts).ts  # validated as PATCH would
+        if not ids:
+            return
+        priv: Any = self.__pydantic_private__
+        with priv["_lock"]:
+            slot_of = priv["_slot_of"]
+            try:
+                slots = np.fromiter((slot_of[d] for d in ids), dtype=np.int64, count=len(ids))
+            except KeyError as exc:
+                raise KeyError(exc.args[0]) from None
+            priv["_grid"].move_many(slots, la, ln)  # validates before changing anything
+            priv["_ts"][slots] = ts
+            priv["_stale"][slots] = True
 
     def delete_driver(self, driver_id: str) -> bool:
         with self._lock:
@@ -397,6 +447,22 @@ class FleetVectorStore(BasePydanticVectorStore):
         return bits
 
     def _record(self, slot: int) -> DriverRecord:
+        """The current record of a slot (rebuilt here if a batched move left it stale)."""
+        record = self._records[slot]
+        assert record is not None, f"slot {slot} is free"
+        if self._stale[slot]:
+            lat, lng = self._grid.position(slot)
+            ts = self._ts[slot]
+            # model_construct: the values were validated by update_positions.
+            position = Position.model_construct(lat=lat, lng=lng, ts=ts)
+            record = record.model_copy(update={"position": position})
+            self._records[slot] = record
+            self._stale[slot] = False
+            self._ts[slot] = None
+        return record
+
+    def _base(self, slot: int) -> DriverRecord:
+        """The slot's record, possibly stale: for driver_id, vehicle and profile only."""
         record = self._records[slot]
         assert record is not None, f"slot {slot} is free"
         return record
@@ -409,13 +475,15 @@ class FleetVectorStore(BasePydanticVectorStore):
         self._index.remove_ids(faiss.IDSelectorBatch(fids))
         slot_of, slot_of_fid, records = self._slot_of, self._slot_of_fid, self._records
         for slot, fid in zip(slots, fids.tolist(), strict=True):
-            del slot_of[self._record(slot).driver_id]
+            del slot_of[self._base(slot).driver_id]
             del slot_of_fid[fid]
             self._grid.remove(slot)
             records[slot] = None
             self._free.append(slot)
         self._fid[slots] = -1
         self._status[slots] = _FREE
+        self._stale[slots] = False
+        self._ts[slots] = None
 
     def _slots_for(self, driver_ids: list[str]) -> list[int]:
         """The slot of each driver, allocating slots for new ones (free slots first)."""
@@ -449,6 +517,8 @@ class FleetVectorStore(BasePydanticVectorStore):
         self._status = grown(self._status, _FREE)
         self._cargo = grown(self._cargo, 0.0)
         self._cbits = grown(self._cbits, False)
+        self._stale = grown(self._stale, False)
+        self._ts = grown(self._ts, None)
 
     def _place(
         self,
@@ -469,6 +539,8 @@ class FleetVectorStore(BasePydanticVectorStore):
             for r in records
         ]
         self._cbits[idx] = bits
+        self._stale[idx] = False
+        self._ts[idx] = None
         store, slot_of_fid, move = self._records, self._slot_of_fid, self._grid.move
         for slot, rec, fid in zip(slots, records, fids.tolist(), strict=True):
             store[slot] = rec
@@ -537,7 +609,7 @@ class FleetVectorStore(BasePydanticVectorStore):
             pool = pool[: k + extra]
         entries = []
         for i in pool.tolist():
-            record = self._record(int(slots[i]))
+            record = self._base(int(slots[i]))
             entries.append((-float(sims[i]), float(dist[i]), record.driver_id, record))
         entries.sort(key=lambda e: e[:3])
         return [
@@ -573,7 +645,7 @@ class FleetVectorStore(BasePydanticVectorStore):
         sims = _inner_products(self._vectors[idx], q)
         best = np.argpartition(-sims, k - 1)[:k] if len(slots) > k else np.arange(len(slots))
         ranked = sorted(
-            (-float(sims[i]), self._record(int(idx[i])).driver_id, int(idx[i])) for i in best
+            (-float(sims[i]), self._base(int(idx[i])).driver_id, int(idx[i])) for i in best
         )
         return [(slot, -neg) for neg, _, slot in ranked]
 

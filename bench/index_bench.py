@@ -1,0 +1,197 @@
+"""The fleet index at 100,000 and 1,000,000 drivers: upsert, moves, recommend, memory, snapshots.
+
+A synthetic fleet (``features.synthetic.generate_fleet``: drivers around six real city
+centres) gets one random unit vector *per driver* (gaussian, normalised; no model runs), then:
+
+- upsert throughput: the fleet in batches of 10,000, drivers/s per batch;
+- position updates in process: ``update_driver(id, position=...)`` one call at a time, and the
+  batched ``update_positions(ids, lats, lngs)`` in batches of 10,000; each move is a jitter of
+  at most ~100 m around the driver's position (a few cross a grid cell edge);
+- ``recommend`` at radius 3, 5 and 10 km, k=10, pickups at the positions of random drivers
+  (so as dense as the fleet is), the order embedding precomputed ("cached"); half the orders
+  carry a constraint and a cargo;
+- memory per driver: RSS growth from before the fleet was generated to after the upsert,
+  divided by n (records included), and the bytes of the float32 mirror plus FAISS' vectors;
+- snapshot ``save`` and ``load`` time.
+
+Latencies are pooled over all runs (median = p50). Not a test.
+
+    .venv/bin/python -m bench.index_bench                          # 100,000 and 1,000,000
+    .venv/bin/python -m bench.index_bench --sizes 100000 --runs 3
+    .venv/bin/python -m bench.index_bench --quick                  # 10,000 drivers, 1 run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from features.models import Cargo, LatLng, Order, Position
+from features.synthetic import generate_fleet
+from indexes import FleetVectorStore
+
+BATCH = 10_000
+RADII = (3.0, 5.0, 10.0)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def unit_rows(rng: np.random.Generator, n: int, dim: int) -> np.ndarray:
+    rows = rng.standard_normal((n, dim), dtype=np.float32)
+    rows /= np.linalg.norm(rows, axis=1, keepdims=True)
+    return rows
+
+
+def pct(samples: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(samples), q))
+
+
+def bench_size(n: int, dim: int, runs: int, seed: int) -> dict[str, str]:
+    rng = np.random.default_rng(seed)
+    gc.collect()
+    rss0 = rss_bytes()
+    t = time.perf_counter()
+    fleet = generate_fleet(n, seed=seed)
+    gen_s = time.perf_counter() - t
+    store = FleetVectorStore(dim)
+    rates = []
+    gc.disable()  # as a long-lived server with a large heap would tune it; restored below
+    try:
+        for start in range(0, n, BATCH):
+            chunk = fleet[start : start + BATCH]
+            vecs = unit_rows(rng, len(chunk), dim)
+            t = time.perf_counter()
+            store.upsert_drivers(chunk, vecs)
+            rates.append(len(chunk) / (time.perf_counter() - t))
+    finally:
+        gc.enable()
+    gc.collect()
+    rss1 = rss_bytes()
+    vec_bytes = 2 * n * dim * 4  # mirror + FAISS flat codes
+    out: dict[str, str] = {
+        "fleet gen (s)": f"{gen_s:.1f}",
+        "upsert drivers/s p50 (p1)": f"{statistics.median(rates):,.0f} ({pct(rates, 1):,.0f})",
+        "RSS/driver (B)": f"{(rss1 - rss0) / n:,.0f}",
+        "mirror+FAISS/driver (B)": f"{vec_bytes / n:,.0f}",
+    }
+
+    ids = [r.driver_id for r in fleet]
+    lat0 = np.array([r.position.lat for r in fleet])
+    lng0 = np.array([r.position.lng for r in fleet])
+    del fleet
+
+    # Single-call position updates.
+    m = min(20_000, n)
+    per_s = []
+    for _ in range(runs):
+        pick = rng.integers(n, size=m)
+        lats = np.clip(lat0[pick] + rng.uniform(-9e-4, 9e-4, m), -90, 90).tolist()
+        lngs = np.clip(lng0[pick] + rng.uniform(-9e-4, 9e-4, m), -180, 180).tolist()
+        moves = [
+            (ids[i], Position(lat=a, lng=b))
+            for i, a, b in zip(pick.tolist(), lats, lngs, strict=True)
+        ]
+        t = time.perf_counter()
+        for driver_id, pos in moves:
+            store.update_driver(driver_id, position=pos)
+        per_s.append(m / (time.perf_counter() - t))
+    out["update_driver/s p50"] = f"{statistics.median(per_s):,.0f}"
+
+    if hasattr(store, "update_positions"):
+        per_s = []
+        for _ in range(runs * 5):
+            pick = rng.integers(n, size=BATCH)
+            lats = np.clip(lat0[pick] + rng.uniform(-9e-4, 9e-4, BATCH), -90, 90)
+            lngs = np.clip(lng0[pick] + rng.uniform(-9e-4, 9e-4, BATCH), -180, 180)
+            batch_ids = [ids[i] for i in pick.tolist()]
+            t = time.perf_counter()
+            store.update_positions(batch_ids, lats, lngs)
+            per_s.append(BATCH / (time.perf_counter() - t))
+        out["update_positions/s p50"] = f"{statistics.median(per_s):,.0f}"
+
+    q = unit_rows(rng, 1, dim)[0]
+    for radius in RADII:
+        lat_ms, considered = [], []
+        for _ in range(runs):
+            for j, i in enumerate(rng.integers(n, size=200).tolist()):
+                heavy = j % 2 == 1
+                order = Order(
+                    order_id=f"O{j}",
+                    pickup=LatLng(lat=float(lat0[i]), lng=float(lng0[i])),
+                    radius_km=radius,
+                    k=10,
+                    constraints=["electric_only"] if heavy else [],
+                    cargo=Cargo(weight_kg=100.0, volume_m3=0.5) if heavy else None,
+                )
+                t = time.perf_counter()
+                rec = store.recommend(order, q)
+                lat_ms.append((time.perf_counter() - t) * 1e3)
+                considered.append(rec.considered)
+        seen = statistics.median(considered)
+        out[f"recommend r={radius:g}km p50/p99 ms"] = (
+            f"{pct(lat_ms, 50):.2f} / {pct(lat_ms, 99):.2f} (considered ~{seen:,.0f})"
+        )
+
+    tmp = Path(tempfile.mkdtemp(prefix="index-bench-"))
+    try:
+        save_s, load_s = [], []
+        for _ in range(max(1, runs // 2) if n >= 1_000_000 else runs):
+            t = time.perf_counter()
+            store.save(tmp)
+            save_s.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            loaded = FleetVectorStore.load(tmp, dim)
+            load_s.append(time.perf_counter() - t)
+            assert len(loaded) == n
+            del loaded
+            gc.collect()
+        out["save s (median)"] = f"{statistics.median(save_s):.2f}"
+        out["load s (median)"] = f"{statistics.median(load_s):.2f}"
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="100000,1000000")
+    parser.add_argument("--dim", type=int, default=384)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="10,000 drivers, 1 run")
+    args = parser.parse_args()
+    sizes = [10_000] if args.quick else [int(s) for s in args.sizes.split(",")]
+    runs = 1 if args.quick else args.runs
+    print(
+        f"# index_bench {datetime.date.today()} | {platform.processor() or platform.machine()} "
+        f"x{os.cpu_count()} | python {platform.python_version()} | dim={args.dim} runs={runs}"
+    )
+    results = {n: bench_size(n, args.dim, runs, args.seed) for n in sizes}
+    keys = list(next(iter(results.values())))
+    width = max(map(len, keys))
+    print(f"| {'metric':<{width}} | " + " | ".join(f"{n:>12,}" for n in sizes) + " |")
+    print(f"|{'-' * (width + 2)}|" + "|".join("-" * 14 for _ in sizes) + "|")
+    for key in keys:
+        print(
+            f"| {key:<{width}} | "
+            + " | ".join(f"{results[n].get(key, '-'):>12}" for n in sizes)
+            + " |"
+        )
+
+
+if __name__ == "__main__":
+    main()
