@@ -1,7 +1,7 @@
 """The embedding cache: the only package that imports LangChain.
 
 ``CachedEmbedder`` (embedder.py) runs LangChain's ``CacheBackedEmbeddings`` over a
-``TieredByteStore`` (stores.py: memory LRU -> LMDB | Redis later) with the binary vector codec
+``TieredByteStore`` (stores.py: memory LRU -> LMDB | Redis) with the binary vector codec
 (codec.py), single-flight for identical texts in flight, and exact counters (stats.py).
 """
 
@@ -11,6 +11,7 @@ from cache.stores import (
     CacheStore,
     LmdbByteStore,
     MemoryByteStore,
+    RedisByteStore,
     TieredByteStore,
     build_store,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "EmbedResult",
     "LmdbByteStore",
     "MemoryByteStore",
+    "RedisByteStore",
     "TieredByteStore",
     "build_store",
 ]

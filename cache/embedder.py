@@ -307,7 +307,9 @@ class CachedEmbedder(_AsyncEmbeddings):
 
     - ``stats()``: the ``"cache"`` object: ``hits``, ``misses``, ``coalesced``,
       ``hit_ratio``, ``tiers`` = ``{"memory": {"hits", "entries", "bytes", "max_bytes"},
-      "store": {"hits", "kind", "errors"}}``, ``windows`` = ``{"1m"|"5m": {"hits",
+      "store": {"hits", "kind", "errors", "degraded", "skipped", "last_error",
+      "last_error_at"}}`` (``degraded``: the store failed and has not answered since),
+      ``windows`` = ``{"1m"|"5m": {"hits",
       "misses", "hit_ratio"}}`` (window hits = hits + coalesced), plus ``store_errors`` (all
       absorbed failures, corrupt entries included), ``corrupt_entries``, ``failed_calls``,
       ``in_flight``.
@@ -434,14 +436,19 @@ class CachedEmbedder(_AsyncEmbeddings):
         s = self._store
         if isinstance(s, TieredByteStore):
             memory: dict[str, Any] = {"hits": s.memory_hits, **self._memory_facts(s.memory)}
-            store = {"hits": s.store_hits, "kind": s.store_kind, "errors": s.store_errors}
+            store = s.store_health()
         elif isinstance(s, MemoryByteStore):
             memory = {"hits": self._stats.hits, **self._memory_facts(s)}
-            store = {"hits": 0, "kind": "none", "errors": 0}
+            store = {"hits": 0, "kind": "none", "errors": 0, "degraded": False}
         else:
             memory = {"hits": 0, "entries": 0, "bytes": 0, "max_bytes": 0}
             kind = str(getattr(s, "kind", type(s).__name__))
-            store = {"hits": self._stats.hits, "kind": kind, "errors": self._errors.count}
+            store = {
+                "hits": self._stats.hits,
+                "kind": kind,
+                "errors": self._errors.count,
+                "degraded": False,
+            }
         return {"memory": memory, "store": store}
 
     @staticmethod

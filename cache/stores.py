@@ -5,11 +5,11 @@
     CacheStore (BaseStore[str, bytes])  adds kind, a non-counting contains() peek, close()
      +-- MemoryByteStore   in-process LRU bounded by bytes; async forms run inline
      +-- LmdbByteStore     one LMDB environment on disk; async forms hop to a thread
+     +-- RedisByteStore    (redis_store.py) shared by replicas, over redis-py; async forms
+                           run on its own thread pool
      +-- TieredByteStore   memory first, then a second-tier ByteStore; store errors are
-                           logged and counted, never raised (the cache may fail, the
-                           request may not)
-     (+-- RedisByteStore   later: subclass CacheStore with native async forms and plug it
-                           into TieredByteStore / build_store(kind="redis"))
+                           logged and counted, never raised, and mark the store degraded
+                           until it answers again
 
 Every store is a complete ``ByteStore``: ``mget``, ``mset``, ``mdelete``,
 ``yield_keys(prefix=)`` and their async forms behave like a dict of ``str -> bytes``.
@@ -18,72 +18,21 @@ Every store is a complete ``ByteStore``: ``mget``, ``mset``, ``mdelete``,
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 import lmdb
-from langchain_core.stores import BaseStore, ByteStore
+from langchain_core.stores import ByteStore
 
-log = logging.getLogger("fleetcache.cache")
+from cache.base import CacheStore, ErrorLog, log
+from cache.redis_store import RedisByteStore
 
 GiB = 1 << 30
 _Bytes = bytes  # MemoryByteStore has a ``bytes`` property that shadows the builtin
-
-
-class ErrorLog:
-    """Counts absorbed cache failures and logs them, at most one warning per ``every_s``."""
-
-    def __init__(self, what: str, every_s: float = 10.0) -> None:
-        self.what = what
-        self.count = 0
-        self._every_s = every_s
-        self._last = -every_s
-        self._unreported = 0
-        self._lock = threading.Lock()
-
-    def record(self, op: str, exc: BaseException) -> None:
-        now = time.monotonic()
-        with self._lock:
-            self.count += 1
-            self._unreported += 1
-            if now - self._last < self._every_s:
-                return
-            self._last, suppressed, self._unreported = now, self._unreported - 1, 0
-        log.warning(
-            "%s failed on %s (%d similar errors not logged): %r; serving without it",
-            self.what,
-            op,
-            suppressed,
-            exc,
-        )
-
-
-class CacheStore(BaseStore[str, bytes]):
-    """Base of the cache's ByteStores: a ``kind`` name, a peek, and a close hook."""
-
-    kind: ClassVar[str] = "custom"
-
-    def contains(self, keys: Sequence[str]) -> list[bool]:
-        """Which keys hold a value, without counting hits or touching LRU order."""
-        return [v is not None for v in self.mget(keys)]
-
-    async def acontains(self, keys: Sequence[str]) -> list[bool]:
-        return await asyncio.to_thread(self.contains, keys)
-
-    def close(self) -> None:
-        """Release files and connections; later calls may raise."""
-
-    async def aclose(self) -> None:
-        self.close()
-
-    def info(self) -> dict[str, Any]:
-        """Cheap facts for /v1/stats (never raises)."""
-        return {"kind": self.kind}
 
 
 class MemoryByteStore(CacheStore):
@@ -356,17 +305,44 @@ class TieredByteStore(CacheStore):
     memory is still written. ``memory_hits`` / ``store_hits`` count keys found per tier. The
     memory tier never leaves the calling thread; only ``store``'s own async forms may hop.
     ``store=None`` is a memory-only cache (``store_kind == "none"``).
+
+    Degraded mode: after a store error the store is ``store_degraded`` and reads and writes
+    skip it for ``retry_after_s`` (counted in ``store_skipped``), so that a Redis that hangs
+    costs one timeout per ``retry_after_s`` rather than one per request. The first call after
+    that tries the store again; its success ends degraded mode by itself. Deletes always try
+    the store (a skipped delete would leave an invalidated entry behind).
     """
 
     kind: ClassVar[str] = "tiered"
 
-    def __init__(self, memory: MemoryByteStore, store: ByteStore | None = None) -> None:
+    def __init__(
+        self,
+        memory: MemoryByteStore,
+        store: ByteStore | None = None,
+        *,
+        retry_after_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if retry_after_s < 0:
+            raise ValueError(f"retry_after_s must be >= 0, got {retry_after_s}")
         self.memory = memory
         self.store = store
         self._lock = threading.Lock()
         self.memory_hits = 0
         self.store_hits = 0
+        self.store_skipped = 0
         self._errors = ErrorLog(f"cache store {self.store_kind}")
+        self._retry_after_s = retry_after_s
+        self._clock = clock
+        self._degraded = False
+        self._retry_at = 0.0
+        self.last_error: str | None = None
+        self.last_error_at: float | None = None  # wall clock (time.time()) of the last error
+
+    @property
+    def store_degraded(self) -> bool:
+        """True from a store error until the next store call that succeeds."""
+        return self._degraded
 
     @property
     def store_errors(self) -> int:
@@ -380,6 +356,25 @@ class TieredByteStore(CacheStore):
 
     def _store_failed(self, op: str, exc: BaseException) -> None:
         self._errors.record(op, exc)
+        with self._lock:
+            self._degraded = True
+            self._retry_at = self._clock() + self._retry_after_s
+            self.last_error, self.last_error_at = f"{op}: {exc!r}", time.time()
+
+    def _store_ok(self) -> None:
+        if self._degraded:
+            with self._lock:
+                if self._degraded:
+                    self._degraded = False
+                    log.warning("cache store %s is back", self.store_kind)
+
+    def _live_store(self) -> ByteStore | None:
+        """The store, or None when there is none or it is skipped while degraded."""
+        if self.store is None or not self._degraded or self._clock() >= self._retry_at:
+            return self.store
+        with self._lock:
+            self.store_skipped += 1
+        return None
 
     def _from_memory(self, keys: Sequence[str]) -> tuple[list[bytes | None], list[int]]:
         values = self.memory.mget(keys)
@@ -409,40 +404,50 @@ class TieredByteStore(CacheStore):
 
     def mget(self, keys: Sequence[str]) -> list[bytes | None]:
         values, missing = self._from_memory(keys)
-        if not missing or self.store is None:
+        store = self._live_store() if missing else None
+        if store is None:
             return values
         try:
-            fetched = self.store.mget([keys[i] for i in missing])
+            fetched = store.mget([keys[i] for i in missing])
         except Exception as exc:
             self._store_failed("mget", exc)
             return values
+        self._store_ok()
         return self._merge(keys, values, missing, fetched)
 
     async def amget(self, keys: Sequence[str]) -> list[bytes | None]:
         values, missing = self._from_memory(keys)
-        if not missing or self.store is None:
+        store = self._live_store() if missing else None
+        if store is None:
             return values
         try:
-            fetched = await self.store.amget([keys[i] for i in missing])
+            fetched = await store.amget([keys[i] for i in missing])
         except Exception as exc:
             self._store_failed("mget", exc)
             return values
+        self._store_ok()
         return self._merge(keys, values, missing, fetched)
 
     def mset(self, key_value_pairs: Sequence[tuple[str, bytes]]) -> None:
-        if self.store is not None and key_value_pairs:
+        store = self._live_store() if key_value_pairs else None
+        if store is not None:
             try:
-                self.store.mset(key_value_pairs)
+                store.mset(key_value_pairs)
             except Exception as exc:
                 self._store_failed("mset", exc)
+            else:
+                self._store_ok()
         self.memory.mset(key_value_pairs)
 
     async def amset(self, key_value_pairs: Sequence[tuple[str, bytes]]) -> None:
-        if self.store is not None and key_value_pairs:
+        store = self._live_store() if key_value_pairs else None
+        if store is not None:
             try:
-                await self.store.amset(key_value_pairs)
+                await store.amset(key_value_pairs)
             except Exception as exc:
                 self._store_failed("mset", exc)
+            else:
+                self._store_ok()
         self.memory.mset(key_value_pairs)
 
     def mdelete(self, keys: Sequence[str]) -> None:
@@ -451,6 +456,8 @@ class TieredByteStore(CacheStore):
                 self.store.mdelete(keys)
             except Exception as exc:
                 self._store_failed("mdelete", exc)
+            else:
+                self._store_ok()
         self.memory.mdelete(keys)
 
     async def amdelete(self, keys: Sequence[str]) -> None:
@@ -459,6 +466,8 @@ class TieredByteStore(CacheStore):
                 await self.store.amdelete(keys)
             except Exception as exc:
                 self._store_failed("mdelete", exc)
+            else:
+                self._store_ok()
         self.memory.mdelete(keys)
 
     def yield_keys(self, *, prefix: str | None = None) -> Iterator[str]:
@@ -490,16 +499,18 @@ class TieredByteStore(CacheStore):
     def contains(self, keys: Sequence[str]) -> list[bool]:
         found = self.memory.contains(keys)
         missing = [i for i, f in enumerate(found) if not f]
-        if missing and self.store is not None:
+        store = self._live_store() if missing else None
+        if store is not None:
             sub = [keys[i] for i in missing]
             try:
-                if isinstance(self.store, CacheStore):
-                    in_store = self.store.contains(sub)
+                if isinstance(store, CacheStore):
+                    in_store = store.contains(sub)
                 else:
-                    in_store = [v is not None for v in self.store.mget(sub)]
+                    in_store = [v is not None for v in store.mget(sub)]
             except Exception as exc:
                 self._store_failed("contains", exc)
                 return found
+            self._store_ok()
             for i, f in zip(missing, in_store, strict=True):
                 found[i] = f
         return found
@@ -507,16 +518,18 @@ class TieredByteStore(CacheStore):
     async def acontains(self, keys: Sequence[str]) -> list[bool]:
         found = self.memory.contains(keys)
         missing = [i for i, f in enumerate(found) if not f]
-        if missing and self.store is not None:
+        store = self._live_store() if missing else None
+        if store is not None:
             sub = [keys[i] for i in missing]
             try:
-                if isinstance(self.store, CacheStore):
-                    in_store = await self.store.acontains(sub)
+                if isinstance(store, CacheStore):
+                    in_store = await store.acontains(sub)
                 else:
-                    in_store = [v is not None for v in await self.store.amget(sub)]
+                    in_store = [v is not None for v in await store.amget(sub)]
             except Exception as exc:
                 self._store_failed("contains", exc)
                 return found
+            self._store_ok()
             for i, f in zip(missing, in_store, strict=True):
                 found[i] = f
         return found
@@ -528,7 +541,19 @@ class TieredByteStore(CacheStore):
         return {
             "kind": self.kind,
             "memory": {**self.memory.info(), "hits": self.memory_hits},
-            "store": {**store_info, "hits": self.store_hits, "errors": self.store_errors},
+            "store": {**store_info, **self.store_health()},
+        }
+
+    def store_health(self) -> dict[str, Any]:
+        """The store tier's counters and state, shaped for ``stats()["tiers"]["store"]``."""
+        return {
+            "kind": self.store_kind,
+            "hits": self.store_hits,
+            "errors": self.store_errors,
+            "degraded": self._degraded,
+            "skipped": self.store_skipped,
+            "last_error": self.last_error,
+            "last_error_at": self.last_error_at,
         }
 
     def close(self) -> None:
@@ -546,19 +571,30 @@ def build_store(
     memory_bytes: int,
     data_dir: Path | str | None = None,
     map_size: int = 4 * GiB,
+    redis_url: str | None = None,
+    redis_prefix: str = "fc:",
+    redis_ttl_s: float | None = None,
+    redis_timeout_s: float = 0.25,
+    retry_after_s: float = 1.0,
 ) -> TieredByteStore:
-    """The tiered store for ``FLEETCACHE_STORE``: ``memory`` | ``lmdb`` (| ``redis`` later).
+    """The tiered store for ``FLEETCACHE_STORE``: ``memory`` | ``lmdb`` | ``redis``.
 
-    LMDB lives in ``data_dir / "cache.lmdb"``.
+    LMDB lives in ``data_dir / "cache.lmdb"``; Redis at ``redis_url`` under ``redis_prefix``.
     """
     memory = MemoryByteStore(memory_bytes)
+    store: CacheStore | None
     if kind == "memory":
-        return TieredByteStore(memory, None)
-    if kind == "lmdb":
+        store = None
+    elif kind == "lmdb":
         if data_dir is None:
             raise ValueError("store kind 'lmdb' needs a data_dir")
-        return TieredByteStore(memory, LmdbByteStore(Path(data_dir) / "cache.lmdb", map_size))
-    if kind == "redis":
-        # The Redis tier (a CacheStore over redis-py's asyncio client) is a later issue.
-        raise NotImplementedError("the redis cache store is not implemented yet")
-    raise ValueError(f"unknown cache store kind {kind!r}; use 'memory' or 'lmdb'")
+        store = LmdbByteStore(Path(data_dir) / "cache.lmdb", map_size)
+    elif kind == "redis":
+        if not redis_url:
+            raise ValueError("store kind 'redis' needs a redis_url")
+        store = RedisByteStore(
+            redis_url, prefix=redis_prefix, ttl_s=redis_ttl_s, socket_timeout_s=redis_timeout_s
+        )
+    else:
+        raise ValueError(f"unknown cache store kind {kind!r}; use 'memory', 'lmdb' or 'redis'")
+    return TieredByteStore(memory, store, retry_after_s=retry_after_s)

@@ -217,7 +217,8 @@ def test_tiered_promotes_store_hits_to_memory(tmp_path: Path) -> None:
 
 
 def test_tiered_survives_a_broken_store(caplog: pytest.LogCaptureFixture) -> None:
-    tiered = TieredByteStore(MemoryByteStore(MiB), BrokenStore())
+    tiered = TieredByteStore(MemoryByteStore(MiB), BrokenStore(), retry_after_s=0)
+    assert not tiered.store_degraded
     with caplog.at_level(logging.WARNING, logger="fleetcache.cache"):
         tiered.mset([("k", b"v")])
         assert tiered.mget(["k", "x"]) == [b"v", None]
@@ -230,8 +231,61 @@ def test_tiered_survives_a_broken_store(caplog: pytest.LogCaptureFixture) -> Non
         assert tiered.contains(["z", "q"]) == [True, False]
     assert tiered.store_errors >= 6
     assert tiered.store_kind == "broken"
+    health = tiered.info()["store"]
+    assert health["degraded"] is True
+    assert health["last_error"] is not None and "store down" in health["last_error"]
+    assert health["last_error_at"] is not None
     assert any("store down" in r.getMessage() for r in caplog.records)
     assert len(caplog.records) == 1  # throttled: one warning, not one per failure
+
+
+class FlakyStore(MemoryByteStore):
+    """A second tier that can be switched off and on, counting the calls that reach it."""
+
+    kind = "flaky"
+
+    def __init__(self) -> None:
+        super().__init__(MiB)
+        self.down = False
+        self.calls = 0
+
+    def mget(self, keys: Sequence[str]) -> list[bytes | None]:
+        self.calls += 1
+        if self.down:
+            raise ConnectionError("store down")
+        return super().mget(keys)
+
+    def mset(self, key_value_pairs: Sequence[tuple[str, bytes]]) -> None:
+        self.calls += 1
+        if self.down:
+            raise ConnectionError("store down")
+        super().mset(key_value_pairs)
+
+
+def test_tiered_skips_a_degraded_store_then_recovers_by_itself() -> None:
+    now = [100.0]
+    flaky = FlakyStore()
+    tiered = TieredByteStore(MemoryByteStore(MiB), flaky, retry_after_s=2.0, clock=lambda: now[0])
+    flaky.down = True
+    assert tiered.mget(["a"]) == [None]
+    assert tiered.store_degraded and tiered.store_errors == 1
+    calls = flaky.calls
+    tiered.mset([("b", b"2")])  # within retry_after_s: memory only, the store is not called
+    assert tiered.mget(["c"]) == [None]
+    assert (flaky.calls, tiered.store_skipped, tiered.store_errors) == (calls, 2, 1)
+    assert tiered.mget(["b"]) == [b"2"]  # memory still serves
+
+    flaky.down = False
+    now[0] += 2.0
+    tiered.mset([("d", b"4")])  # the first call after retry_after_s tries and succeeds
+    assert not tiered.store_degraded
+    assert flaky.mget(["d"]) == [b"4"]
+    assert tiered.info()["store"]["degraded"] is False
+
+
+def test_tiered_rejects_a_negative_retry_after() -> None:
+    with pytest.raises(ValueError):
+        TieredByteStore(MemoryByteStore(MiB), None, retry_after_s=-1)
 
 
 def test_tiered_yields_each_key_once(tmp_path: Path) -> None:
@@ -249,7 +303,7 @@ def test_build_store_kinds(tmp_path: Path) -> None:
     assert (tmp_path / "cache.lmdb").is_dir()
     lmdb_tiered.close()
     assert build_store("memory", memory_bytes=MiB).store_kind == "none"
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(ValueError, match="redis_url"):
         build_store("redis", memory_bytes=MiB)
     with pytest.raises(ValueError):
         build_store("sqlite", memory_bytes=MiB)
