@@ -17,9 +17,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from cache import stores
 from cache.embedder import CachedEmbedder, EmbedResult
-from cache.stores import LmdbByteStore, MemoryByteStore, TieredByteStore
-from engines.base import Engine, EngineError
+from cache.stores import TieredByteStore
+from engines.base import Engine
 from engines.batcher import Batcher
 from engines.registry import create_engine
 from features.models import DriverRecord
@@ -83,14 +84,15 @@ class Services:
 
 
 def build_store(settings: Settings) -> TieredByteStore:
-    memory = MemoryByteStore(max_bytes=int(settings.memory_cache_mb * 2**20))
-    if settings.store == "memory":
-        return TieredByteStore(memory, None)
     if settings.store == "lmdb":
         settings.data_dir.mkdir(parents=True, exist_ok=True)
-        lmdb = LmdbByteStore(settings.lmdb_path, map_size=int(settings.lmdb_map_size_gb * 2**30))
-        return TieredByteStore(memory, lmdb)
-    raise EngineError(f"FLEETCACHE_STORE={settings.store} is not available in this build")
+    return stores.build_store(
+        settings.store,
+        memory_bytes=int(settings.memory_cache_mb * 2**20),
+        data_dir=settings.data_dir,
+        map_size=int(settings.lmdb_map_size_gb * 2**30),
+        redis_url=settings.redis_url,
+    )
 
 
 def engine_options(settings: Settings) -> dict[str, Any]:

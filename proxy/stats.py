@@ -10,6 +10,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+from proxy.gpu_health import default_monitor
 from proxy.services import Services
 
 
@@ -50,6 +51,8 @@ def build_stats(services: Services) -> dict[str, Any]:
         "latency": services.latency.summary(),
         "by_caller": services.embedder.by_caller(),
         "fleet": {"drivers": len(services.index)},
+        "queue": {"depth": services.batcher.queued},
+        "gpu": default_monitor().read(),
         "settings": {
             "store": services.settings.store,
             "max_batch_size": services.settings.max_batch_size,

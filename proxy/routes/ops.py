@@ -1,12 +1,14 @@
-"""Operators: ``/v1/stats``, ``/healthz``, ``/readyz`` and ``/metrics``."""
+"""Operators: ``/v1/stats``, ``/healthz``, ``/readyz``, ``/metrics`` and ``/dashboard``."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
+from fastapi.responses import HTMLResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from proxy.dashboard import dashboard_html
 from proxy.deps import ServicesDep
 from proxy.errors import error_response
 from proxy.stats import build_stats
@@ -39,3 +41,9 @@ async def readyz(request: Request) -> Response:
 @router.get("/metrics")
 async def metrics(services: ServicesDep) -> Response:
     return Response(generate_latest(services.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/dashboard", response_class=HTMLResponse)
+async def dashboard() -> HTMLResponse:
+    """Served while starting too: the page itself shows "not ready" until /v1/stats answers."""
+    return HTMLResponse(dashboard_html(), headers={"Cache-Control": "no-cache"})
