@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build (docs/FACTS).
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,dev,onnx]'
+	$(BIN)/pip install -q -e '.[test,dev,onnx,tensorrt-rtx]'
 	touch $(STAMP)
 
 install: $(STAMP)

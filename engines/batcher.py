@@ -14,6 +14,12 @@ Threading model::
       await the result                       <-------  (n, dim) float32 or an exception
       copy each request's rows, resolve futures
 
+    tokenizer thread (exactly one): while a batch is in the engine and the dispatch lane
+    alone already fills the next batch, the worker takes that batch at once and tokenizes
+    it here, so tokenization overlaps the forward instead of following it. Only full,
+    dispatch-only batches are formed early: lane priority and max_delay behave as without
+    the overlap. A request cancelled meanwhile is dropped (the rest is re-tokenized).
+
 Every future is resolved on every path: with its rows; with the batch's ``EngineError`` (only
 the requests in that batch; the worker keeps serving); with ``EngineError("batcher closed")``
 on ``aclose``; or by the submitter's own cancellation, whose items still queued are dropped
@@ -34,7 +40,7 @@ from types import TracebackType
 
 import numpy as np
 
-from engines.base import Engine, EngineError, QueueFullError, Vectors
+from engines.base import Batch, Engine, EngineError, QueueFullError, Vectors
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +64,13 @@ class InferenceStats:
 class _Request:
     """One submission: its texts, the rows filled so far and the future its caller awaits."""
 
-    __slots__ = ("filled", "future", "rows", "taken", "texts")
+    __slots__ = ("filled", "future", "lane", "rows", "taken", "texts")
 
-    def __init__(self, texts: list[str], future: asyncio.Future[Vectors], dim: int) -> None:
+    def __init__(
+        self, texts: list[str], future: asyncio.Future[Vectors], dim: int, lane: str
+    ) -> None:
         self.texts = texts
+        self.lane = lane
         self.future = future
         self.rows: Vectors = np.empty((len(texts), dim), dtype=np.float32)
         self.taken = 0  # items handed to a batch or dropped; the rest are still queued
@@ -100,10 +109,14 @@ class Batcher:
         self.max_queue = max_queue
         self._lanes: dict[str, deque[_Request]] = {lane: deque() for lane in LANES}
         self._queued = 0  # items waiting in the lanes (not yet in a batch, not dropped)
+        self._lane_waiting = dict.fromkeys(LANES, 0)  # the same, per lane
         self._wakeup = asyncio.Event()
         self._worker: asyncio.Task[None] | None = None
         self._in_flight: list[_Request] = []  # requests with a slice in the running batch
+        self._prepared: list[_Request] = []  # requests in the batch tokenized ahead
+        self._prepared_items = 0
         self._executor: ThreadPoolExecutor | None = None
+        self._tokenizer: ThreadPoolExecutor | None = None
         self._closed = False
         self._items = 0
         self._batches = 0
@@ -122,6 +135,7 @@ class Batcher:
             raise EngineError("batcher closed")
         if self._worker is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+            self._tokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
             self._worker = asyncio.create_task(self._run(), name="batcher-worker")
 
     async def aclose(self) -> None:
@@ -133,8 +147,9 @@ class Batcher:
         self._wakeup.set()
         if self._worker is not None:
             await asyncio.wait({self._worker})  # never raises the worker's own outcome
-        if self._executor is not None:
-            self._executor.shutdown(wait=False)
+        for executor in (self._executor, self._tokenizer):
+            if executor is not None:
+                executor.shutdown(wait=False)
 
     async def __aenter__(self) -> Batcher:
         await self.start()
@@ -161,8 +176,8 @@ class Batcher:
 
     @property
     def queued(self) -> int:
-        """Items waiting for a batch (queue depth)."""
-        return self._queued
+        """Items not yet handed to the engine (queue depth), a batch tokenized ahead included."""
+        return self._queued + self._prepared_items
 
     @property
     def per_item_ms(self) -> float:
@@ -189,9 +204,11 @@ class Batcher:
                 f"batcher queue full: {self._queued} items waiting, {len(texts)} more "
                 f"would exceed max_queue={self.max_queue}"
             )
-        request = _Request(list(texts), asyncio.get_running_loop().create_future(), self.engine.dim)
+        future = asyncio.get_running_loop().create_future()
+        request = _Request(list(texts), future, self.engine.dim, lane)
         self._lanes[lane].append(request)
         self._queued += len(texts)
+        self._lane_waiting[lane] += len(texts)
         self._wakeup.set()
         try:
             return await request.future
@@ -215,22 +232,63 @@ class Batcher:
     # -- the worker (event loop) -----------------------------------------------------------
 
     async def _run(self) -> None:
+        forward: asyncio.Task[None] | None = None  # the batch in the engine, if any
         try:
             while not self._closed:
-                if self._queued == 0:
-                    self._wakeup.clear()
-                    await self._wakeup.wait()
-                    continue
-                await self._wait_for_more()
-                batch = self._take()
-                if batch:
-                    await self._run_batch(batch)
+                if forward is not None and forward.done():
+                    forward = None
+                if forward is None and self._queued:
+                    await self._wait_for_more()
+                    batch = self._take()
+                    if batch:
+                        forward = asyncio.create_task(self._run_batch(batch))
+                elif forward is not None and self._lane_waiting["dispatch"] >= self.max_batch_size:
+                    forward = await self._tokenize_ahead(forward)
+                else:  # idle, or the engine is busy and the next batch is not full yet
+                    await self._wait_for_wakeup(forward)
         except Exception:  # a bug here must not leave waiters hanging: fail them below
             logger.exception("batcher worker crashed")
         finally:  # closed, crashed or cancelled: nobody is left waiting
             error = EngineError("batcher closed" if self._closed else "batcher stopped")
-            self._fail(self._in_flight, error)
+            self._fail(self._prepared, error)
             self._fail_queued(error)
+            if forward is not None:
+                await asyncio.wait({forward})  # the batch in flight finishes normally
+            self._fail(self._in_flight, error)
+
+    async def _wait_for_wakeup(self, forward: asyncio.Task[None] | None) -> None:
+        """Until a submission (or close) arrives, or the batch in flight finishes."""
+        self._wakeup.clear()
+        if self._queued and forward is None:
+            return
+        wakeup = asyncio.ensure_future(self._wakeup.wait())
+        try:
+            await asyncio.wait(
+                {wakeup} | ({forward} if forward else set()), return_when="FIRST_COMPLETED"
+            )
+        finally:
+            wakeup.cancel()
+
+    async def _tokenize_ahead(self, forward: asyncio.Task[None]) -> asyncio.Task[None] | None:
+        """Take the next (full, dispatch-only) batch, tokenize it while ``forward`` runs,
+        then start it as soon as ``forward`` is done. Returns the new batch's task."""
+        batch = self._take()
+        self._prepared = [request for request, _, _ in batch]
+        self._prepared_items = sum(stop - start for _, start, stop in batch)
+        texts = self._texts(batch)
+        loop = asyncio.get_running_loop()
+        try:
+            tokens: Batch | None = await loop.run_in_executor(
+                self._tokenizer, self.engine.tokenize, texts
+            )
+        except Exception:  # the engine thread tokenizes again and reports any error
+            tokens = None
+        await asyncio.wait({forward})
+        self._prepared, self._prepared_items = [], 0
+        if self._closed:
+            self._fail([request for request, _, _ in batch], EngineError("batcher closed"))
+            return None
+        return asyncio.create_task(self._run_batch(batch, tokens))
 
     async def _wait_for_more(self) -> None:
         """While the batch is not full, wait up to max_delay for more submissions."""
@@ -261,19 +319,31 @@ class Batcher:
                     batch.append((request, request.taken, request.taken + count))
                     request.taken += count
                     self._queued -= count
+                    self._lane_waiting[lane] -= count
                     room -= count
                 if not request.waiting:
                     queue.popleft()
         return batch
 
-    async def _run_batch(self, batch: list[_Slice]) -> None:
-        texts = [text for request, start, stop in batch for text in request.texts[start:stop]]
+    @staticmethod
+    def _texts(batch: list[_Slice]) -> list[str]:
+        return [text for request, start, stop in batch for text in request.texts[start:stop]]
+
+    async def _run_batch(self, batch: list[_Slice], tokens: Batch | None = None) -> None:
+        live = [item for item in batch if not item[0].future.done()]
+        if len(live) < len(batch):  # a caller went away after its batch was tokenized
+            batch, tokens = live, None
+        if not batch:
+            return
+        texts = self._texts(batch)
         self._in_flight = [request for request, _, _ in batch]
         self._items += len(texts)
         self._batches += 1
         loop = asyncio.get_running_loop()
         try:
-            vectors, elapsed_ms = await loop.run_in_executor(self._executor, self._embed, texts)
+            vectors, elapsed_ms = await loop.run_in_executor(
+                self._executor, self._embed, texts, tokens
+            )
         except Exception as exc:
             if isinstance(exc, EngineError):
                 error = exc
@@ -301,10 +371,12 @@ class Batcher:
             offset += stop - start
         self._in_flight = []
 
-    def _embed(self, texts: list[str]) -> tuple[Vectors, float]:
-        """Runs on the engine thread."""
+    def _embed(self, texts: list[str], tokens: Batch | None) -> tuple[Vectors, float]:
+        """Runs on the engine thread; tokenizes here unless the batch was tokenized ahead."""
         started = time.perf_counter()
-        vectors = self.engine.embed(texts)
+        engine = self.engine
+        batch = engine.tokenize(texts) if tokens is None else tokens
+        vectors = engine.postprocess(engine.forward(batch), batch)
         elapsed_ms = (time.perf_counter() - started) * 1000
         if vectors.shape != (len(texts), self.engine.dim):
             raise EngineError(f"engine returned shape {vectors.shape} for {len(texts)} texts")
@@ -315,6 +387,7 @@ class Batcher:
     def _drop(self, request: _Request) -> None:
         """Forget the request's items still queued (idempotent)."""
         self._queued -= request.waiting
+        self._lane_waiting[request.lane] -= request.waiting
         request.taken = len(request.texts)
 
     def _fail(self, requests: list[_Request], error: EngineError) -> None:

@@ -46,18 +46,23 @@ def _torch(**options: Any) -> Engine:
 
 
 def _onnxruntime(**options: Any) -> Engine:
-    raise EngineUnavailableError(
-        "engine 'onnxruntime' is not implemented yet (planned: issue 4); "
-        "it will need pip install 'fleetcache[onnx]'. Use engine 'torch' on CPU for now."
-    )
+    _require("onnxruntime", ("onnxruntime", "tokenizers"), "pip install 'fleetcache[onnx]'")
+    from engines.onnxruntime_engine import OnnxRuntimeEngine
+
+    return OnnxRuntimeEngine(**options)
 
 
 def _tensorrt(**options: Any) -> Engine:
-    raise EngineUnavailableError(
-        "engine 'tensorrt' is not implemented yet (planned: issue 4); it will need an NVIDIA "
-        "GPU and TensorRT (pip install 'fleetcache[tensorrt-rtx]' on RTX-class GPUs). "
-        "Use engine 'torch' with device='cuda' for now."
-    )
+    # Either TensorRT module will do; load() says if it cannot run on this GPU (or none).
+    if all(importlib.util.find_spec(name) is None for name in ("tensorrt", "tensorrt_rtx")):
+        raise EngineUnavailableError(
+            "engine 'tensorrt' needs TensorRT: pip install 'fleetcache[tensorrt-rtx]' "
+            "(RTX-class GPUs) or NVIDIA's tensorrt (data-center GPUs), plus cuda-python"
+        )
+    _require("tensorrt", ("cuda.bindings",), "pip install cuda-python")
+    from engines.tensorrt_engine import TensorRTEngine
+
+    return TensorRTEngine(**options)
 
 
 _FACTORIES: dict[str, EngineFactory] = {

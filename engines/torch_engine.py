@@ -1,9 +1,16 @@
 """sentence-transformers on CPU or CUDA (fp16 on CUDA unless told otherwise).
 
-``forward`` runs the SentenceTransformer module itself (Transformer -> mean Pooling ->
-Normalize), so the vectors are those of ``SentenceTransformer(path).encode(texts,
-normalize_embeddings=True)``. torch and sentence-transformers are imported in ``load`` and
-the methods that need them, never at module import.
+Two paths, same vectors (``SentenceTransformer(path).encode(texts, normalize_embeddings=True)``):
+
+- CPU (default there): ``forward`` runs the SentenceTransformer module itself on batches
+  padded to their longest text, tokenized by sentence-transformers.
+- CUDA (default there, ``static_shapes=True``): texts are tokenized to numpy by
+  ``FastTokenizer`` and padded to (batch, sequence) buckets, host tensors are pinned in
+  ``tokenize`` (off the GPU thread), and ``forward`` replays the bucket's CUDA graph on the
+  engine's own stream (``torch_static.StaticRunner``); ``warmup`` captures every graph.
+
+torch and sentence-transformers are imported in ``load`` and the methods that need them,
+never at module import.
 """
 
 from __future__ import annotations
@@ -19,7 +26,21 @@ from typing import Any
 
 import numpy as np
 
-from engines.base import Batch, Engine, EngineInfo, EngineUnavailableError, make_fingerprint
+from engines.base import (
+    Batch,
+    Engine,
+    EngineError,
+    EngineInfo,
+    EngineUnavailableError,
+    Vectors,
+    make_fingerprint,
+)
+from engines.tokenization import (
+    DEFAULT_BATCH_BUCKETS,
+    DEFAULT_SEQ_BUCKETS,
+    FastTokenizer,
+    seq_buckets_for,
+)
 
 # Files that change the vectors: configs, tokenizer files, weights. Exported copies of the same
 # weights (onnx/, openvino/) and documentation are not hashed.
@@ -85,7 +106,12 @@ def _read_dim(model_dir: Path) -> int:
 
 
 class TorchEngine(Engine):
-    """A sentence-transformers model (mean pooling + L2 normalisation) on one torch device."""
+    """A sentence-transformers model (mean pooling + L2 normalisation) on one torch device.
+
+    ``static_shapes`` (default: on CUDA only) pads batches to ``batch_buckets`` x
+    ``seq_buckets`` and, with ``cuda_graphs`` on a GPU, replays one CUDA graph per bucket;
+    larger batches are cut into chunks of the largest batch bucket.
+    """
 
     def __init__(
         self,
@@ -93,9 +119,16 @@ class TorchEngine(Engine):
         device: str = "cpu",
         max_seq_length: int = 256,
         fp16: bool | None = None,
+        *,
+        static_shapes: bool | None = None,
+        cuda_graphs: bool = True,
+        batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
+        seq_buckets: Sequence[int] = DEFAULT_SEQ_BUCKETS,
     ) -> None:
         if max_seq_length <= 0:
             raise ValueError(f"max_seq_length must be positive, got {max_seq_length}")
+        if not batch_buckets or min(batch_buckets) < 1 or min(seq_buckets, default=1) < 1:
+            raise ValueError("batch_buckets must be non-empty; buckets must be positive")
         self.model_path = Path(model_path) if model_path is not None else default_model_path()
         if not self.model_path.is_dir():
             raise EngineUnavailableError(f"model directory not found: {self.model_path}")
@@ -121,6 +154,12 @@ class TorchEngine(Engine):
         self._model: Any = None  # a SentenceTransformer once loaded
         self._preprocess: Any = None
         self._tokenizer_lock = threading.Lock()
+        self.static_shapes = device.startswith("cuda") if static_shapes is None else static_shapes
+        self.cuda_graphs = cuda_graphs
+        self.batch_buckets = tuple(sorted(set(batch_buckets)))
+        self.seq_buckets = seq_buckets_for(max_seq_length, seq_buckets)
+        self._fast: FastTokenizer | None = None
+        self._runner: Any = None  # a torch_static.StaticRunner once loaded
 
     def load(self) -> None:
         if self._model is not None:
@@ -146,8 +185,11 @@ class TorchEngine(Engine):
                 f"cannot load the model at {self.model_path}: {exc}"
             ) from exc
         model.max_seq_length = self.info.max_seq_length
+        # Explicit both ways: transformers 5 loads weights in their stored dtype by default.
         if self.fp16:
             model.half()
+        else:
+            model.float()
         model.eval()
         # sentence-transformers 6 renamed these (5.x: get_sentence_embedding_dimension, tokenize).
         get_dim = getattr(model, "get_embedding_dimension", None)
@@ -161,16 +203,28 @@ class TorchEngine(Engine):
             )
         self.info = dataclasses.replace(self.info, device=device)
         self._preprocess = getattr(model, "preprocess", None) or model.tokenize
+        if self.static_shapes:
+            from engines.torch_static import StaticRunner, check_supported
+
+            check_supported(model)
+            self._fast = FastTokenizer(self.model_path, self.info.max_seq_length)
+            self._runner = StaticRunner(
+                model, self.batch_buckets, self.seq_buckets, cuda_graphs=self.cuda_graphs
+            )
         self._model = model
 
     def warmup(self) -> None:
-        """Short and full-length inputs, so the first request pays no first-use cost."""
+        """Every bucket (capturing its CUDA graph), or short and full-length inputs."""
+        if self._runner is not None:
+            self._runner.warmup()
         self.embed(["warm-up"] * 4)
         self.embed(["warm-up " * self.info.max_seq_length])
 
     def tokenize(self, texts: Sequence[str]) -> Batch:
-        # Same call encode() makes: pads to the longest text, truncates at max_seq_length.
         self._loaded()
+        if self._runner is not None:
+            return self._tokenize_static(texts)
+        # Same call encode() makes: pads to the longest text, truncates at max_seq_length.
         with self._tokenizer_lock:  # HF fast tokenizers raise "Already borrowed" if shared
             features = self._preprocess(list(texts))
         return Batch(
@@ -179,6 +233,19 @@ class TorchEngine(Engine):
             data=features,
         )
 
+    def _tokenize_static(self, texts: Sequence[str]) -> Batch:
+        assert self._fast is not None
+        largest = self.batch_buckets[-1]
+        chunks, tokens = [], 0
+        for start in range(0, len(texts), largest):
+            encoded = self._fast.encode(
+                texts[start : start + largest], self.batch_buckets, self.seq_buckets
+            )
+            ids, mask = self._runner.prepare(encoded.input_ids, encoded.attention_mask)
+            chunks.append((ids, mask, encoded.size))
+            tokens += encoded.tokens
+        return Batch(size=len(texts), tokens=tokens, data={"chunks": chunks})
+
     def forward(self, batch: Batch) -> Any:
         import torch
         from sentence_transformers.util import batch_to_device
@@ -186,16 +253,35 @@ class TorchEngine(Engine):
         model = self._loaded()
         if batch.size == 0:
             return np.empty((0, self.dim), dtype=np.float32)
+        if self._runner is not None:
+            return self._forward_static(batch)
         with torch.inference_mode():
             # Copy: the modules add their outputs to the features dict in place.
             features = batch_to_device(dict(batch.data), model.device)
             embeddings = model(features)["sentence_embedding"]
             return embeddings.float().cpu().numpy()
 
+    def _forward_static(self, batch: Batch) -> Vectors:
+        if "chunks" not in batch.data:
+            raise EngineError("batch was not tokenized by this engine's fixed-shape path")
+        try:
+            parts = [self._runner.run(ids, mask, size) for ids, mask, size in batch.data["chunks"]]
+        except RuntimeError as exc:  # CUDA errors, out of memory
+            raise EngineError(f"torch forward failed: {exc}") from exc
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
     def health(self) -> dict[str, Any]:
-        return {"ok": self._model is not None, "device": self.info.device}
+        health: dict[str, Any] = {"ok": self._model is not None, "device": self.info.device}
+        if self._runner is not None:
+            health["cuda_graphs"] = self._runner.graphs
+            if self._runner.graph_error:
+                health["graph_error"] = self._runner.graph_error
+        return health
 
     def close(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            runner.close()
         model, self._model = self._model, None
         if model is not None and model.device.type == "cuda":
             import torch

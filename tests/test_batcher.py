@@ -349,3 +349,50 @@ def test_random_mix_of_lanes_sizes_failures_and_cancellations_resolves_everythin
         assert outcomes["ok"] > 0
 
     run(test)
+
+
+class ThreadRecordingEngine(RecordingEngine):
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.tokenized_on: list[str] = []
+
+    def tokenize(self, texts: Any) -> Batch:
+        self.tokenized_on.append(threading.current_thread().name)
+        return super().tokenize(texts)
+
+
+def test_full_dispatch_batch_is_tokenized_ahead_while_the_engine_is_busy() -> None:
+    async def test() -> None:
+        engine = ThreadRecordingEngine(hold=True)
+        async with Batcher(engine, max_batch_size=4) as batcher:
+            first = spawn(batcher.submit(["first"]))
+            await engine_busy(engine)
+            full = spawn(batcher.submit([f"d{i}" for i in range(4)]))
+            await until(lambda: len(engine.tokenized_on) == 2)  # tokenized before release
+            assert batcher.queued == 4  # still waiting for the engine
+            engine.release()
+            results = await asyncio.gather(first, full)
+        assert engine.tokenized_on[0].startswith("engine")
+        assert engine.tokenized_on[1].startswith("tokenizer")
+        assert engine.batches == [["first"], ["d0", "d1", "d2", "d3"]]
+        np.testing.assert_array_equal(results[1], engine.expected([f"d{i}" for i in range(4)]))
+
+    run(test)
+
+
+def test_request_cancelled_after_tokenize_ahead_never_reaches_the_engine() -> None:
+    async def test() -> None:
+        engine = ThreadRecordingEngine(hold=True)
+        async with Batcher(engine, max_batch_size=2) as batcher:
+            first = spawn(batcher.submit(["first"]))
+            await engine_busy(engine)
+            doomed = spawn(batcher.submit(["doomed"]))
+            kept = spawn(batcher.submit(["kept"]))
+            await until(lambda: len(engine.tokenized_on) == 2)
+            doomed.cancel()
+            engine.release()
+            np.testing.assert_array_equal(await kept, engine.expected(["kept"]))
+            await first
+        assert engine.batches == [["first"], ["kept"]]
+
+    run(test)

@@ -90,13 +90,19 @@ def test_registry_unknown_kind_lists_known_kinds() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kind", "hint"),
-    [("onnxruntime", r"fleetcache\[onnx\]"), ("tensorrt", r"fleetcache\[tensorrt-rtx\]")],
+    ("kind", "module", "hint"),
+    [
+        ("onnxruntime", "onnxruntime", r"fleetcache\[onnx\]"),
+        ("tensorrt", "tensorrt_rtx", r"fleetcache\[tensorrt-rtx\]"),
+    ],
 )
-def test_registry_unimplemented_kinds_say_so(kind: str, hint: str) -> None:
-    with pytest.raises(EngineUnavailableError, match="not implemented yet") as info:
+def test_registry_missing_extras_name_the_pip_extra(
+    monkeypatch: pytest.MonkeyPatch, kind: str, module: str, hint: str
+) -> None:
+    monkeypatch.setitem(sys.modules, module, None)  # find_spec -> None
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    with pytest.raises(EngineUnavailableError, match=hint):
         create_engine(kind)
-    assert info.match(hint)
 
 
 def test_registry_missing_dependency_names_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
