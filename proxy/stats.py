@@ -51,6 +51,7 @@ def build_stats(services: Services) -> dict[str, Any]:
         "latency": services.latency.summary(),
         "by_caller": services.embedder.by_caller(),
         "fleet": {"drivers": len(services.index)},
+        "coverage": services.last_coverage,
         "queue": {"depth": services.batcher.queued},
         "gpu": default_monitor().read(),
         "settings": {

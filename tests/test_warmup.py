@@ -214,6 +214,7 @@ def test_coverage_of_a_roster(tmp_path: Path) -> None:
         assert (result["roster"], result["known"], result["cached"]) == (12, 10, 10)
         assert result["share"] == pytest.approx(10 / 12)
         assert sorted(result["not_covered"]) == ["GHOST1", "GHOST2"]
+        assert client.get("/v1/stats").json()["coverage"]["cached"] == 10
     # a restart with a memory-only cache keeps the index but not the vectors
     with open_client(settings) as client:
         wait_ready(client)
