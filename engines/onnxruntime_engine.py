@@ -19,12 +19,10 @@ from engines.base import (
     Batch,
     Engine,
     EngineError,
-    EngineInfo,
     EngineUnavailableError,
-    make_fingerprint,
 )
 from engines.tokenization import FastTokenizer
-from engines.torch_engine import _read_dim, default_model_path, model_files_digest
+from engines.torch_engine import resolve_model_dir, sentence_model_info
 
 
 def default_cache_dir() -> Path:
@@ -46,28 +44,17 @@ class OnnxRuntimeEngine(Engine):
     ) -> None:
         if max_seq_length <= 0:
             raise ValueError(f"max_seq_length must be positive, got {max_seq_length}")
-        self.model_path = Path(model_path) if model_path is not None else default_model_path()
-        if not self.model_path.is_dir():
-            raise EngineUnavailableError(f"model directory not found: {self.model_path}")
+        self.model_path = resolve_model_dir(model_path)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.fp16 = fp16
         self.threads = threads
         precision = "fp16" if fp16 else "fp32"
-        self.info = EngineInfo(
-            kind="onnxruntime",
+        self.info = sentence_model_info(
+            "onnxruntime",
+            self.model_path,
             device="cpu",
             precision=precision,
-            model=str(self.model_path),
-            dim=_read_dim(self.model_path),
             max_seq_length=max_seq_length,
-            fingerprint=make_fingerprint(
-                model=model_files_digest(self.model_path),
-                kind="onnxruntime",
-                precision=precision,
-                max_seq_length=max_seq_length,
-                pooling="mean",
-                normalize="l2norm",
-            ),
         )
         self.onnx_path: Path | None = None
         self._session: Any = None

@@ -40,13 +40,12 @@ from engines.base import (
     Batch,
     Engine,
     EngineError,
-    EngineInfo,
     EngineUnavailableError,
     Vectors,
     make_fingerprint,
 )
 from engines.tokenization import FastTokenizer, bucket_for, seq_buckets_for
-from engines.torch_engine import _read_dim, default_model_path, model_files_digest
+from engines.torch_engine import resolve_model_dir, sentence_model_info
 
 logger = logging.getLogger(__name__)
 
@@ -157,30 +156,19 @@ class TensorRTEngine(Engine):
 
         if max_seq_length <= 0 or workers < 1 or not batch_buckets:
             raise ValueError("max_seq_length and workers must be positive, batch_buckets non-empty")
-        self.model_path = Path(model_path) if model_path is not None else default_model_path()
-        if not self.model_path.is_dir():
-            raise EngineUnavailableError(f"model directory not found: {self.model_path}")
+        self.model_path = resolve_model_dir(model_path)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.batch_buckets = tuple(sorted(set(batch_buckets)))
         self.seq_buckets = seq_buckets_for(max_seq_length, seq_buckets)
         self.profiles = [Profile(b, s) for s in self.seq_buckets for b in self.batch_buckets]
         self.workers = workers
         self.device = device
-        self.info = EngineInfo(
-            kind="tensorrt",
+        self.info = sentence_model_info(
+            "tensorrt",
+            self.model_path,
             device=f"cuda:{device}",
             precision="fp16",
-            model=str(self.model_path),
-            dim=_read_dim(self.model_path),
             max_seq_length=max_seq_length,
-            fingerprint=make_fingerprint(
-                model=model_files_digest(self.model_path),
-                kind="tensorrt",
-                precision="fp16",
-                max_seq_length=max_seq_length,
-                pooling="mean",
-                normalize="l2norm",
-            ),
         )
         self.plan_built = False  # True when the last prepare_plan() built instead of reusing
         self._tokenizer: FastTokenizer | None = None

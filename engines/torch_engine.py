@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -91,6 +92,36 @@ def model_files_digest(model_dir: Path) -> str:
     return digest.hexdigest()
 
 
+def resolve_model_dir(model_path: str | os.PathLike[str] | None) -> Path:
+    """The configured model directory, or the packaged default; it must exist."""
+    path = Path(model_path) if model_path is not None else default_model_path()
+    if not path.is_dir():
+        raise EngineUnavailableError(f"model directory not found: {path}")
+    return path
+
+
+def sentence_model_info(
+    kind: str, model_dir: Path, *, device: str, precision: str, max_seq_length: int
+) -> EngineInfo:
+    """What every engine of a sentence-transformers model reports, fingerprint included."""
+    return EngineInfo(
+        kind=kind,
+        device=device,
+        precision=precision,
+        model=str(model_dir),
+        dim=_read_dim(model_dir),
+        max_seq_length=max_seq_length,
+        fingerprint=make_fingerprint(
+            model=model_files_digest(model_dir),
+            kind=kind,
+            precision=precision,
+            max_seq_length=max_seq_length,
+            pooling="mean",
+            normalize="l2norm",
+        ),
+    )
+
+
 def _read_dim(model_dir: Path) -> int:
     """The output dimension from the pooling config (or the transformer's hidden size)."""
     for name, key in (
@@ -129,26 +160,15 @@ class TorchEngine(Engine):
             raise ValueError(f"max_seq_length must be positive, got {max_seq_length}")
         if not batch_buckets or min(batch_buckets) < 1 or min(seq_buckets, default=1) < 1:
             raise ValueError("batch_buckets must be non-empty; buckets must be positive")
-        self.model_path = Path(model_path) if model_path is not None else default_model_path()
-        if not self.model_path.is_dir():
-            raise EngineUnavailableError(f"model directory not found: {self.model_path}")
+        self.model_path = resolve_model_dir(model_path)
         self.fp16 = device.startswith("cuda") if fp16 is None else fp16
         precision = "fp16" if self.fp16 else "fp32"
-        self.info = EngineInfo(
-            kind="torch",
+        self.info = sentence_model_info(
+            "torch",
+            self.model_path,
             device=device,
             precision=precision,
-            model=str(self.model_path),
-            dim=_read_dim(self.model_path),
             max_seq_length=max_seq_length,
-            fingerprint=make_fingerprint(
-                model=model_files_digest(self.model_path),
-                kind="torch",
-                precision=precision,
-                max_seq_length=max_seq_length,
-                pooling="mean",
-                normalize="l2norm",
-            ),
         )
         self._device = device
         self._model: Any = None  # a SentenceTransformer once loaded
