@@ -50,6 +50,8 @@ class FakeCompute:
 
 
 class BrokenStore(BaseStore[str, bytes]):
+    """A second tier that is down (Redis unreachable, disk gone)."""
+
     kind = "broken"
 
     def mget(self, keys: Sequence[str]) -> list[bytes | None]:
@@ -317,13 +319,16 @@ def test_namespaces_do_not_share_vectors(tmp_path: Path) -> None:
     store.close()
 
 
+# garbage, truncated and wrong-dim entries, shared by the LMDB and Redis corruption tests
 GOOD_OTHER_DIM = codec.encode(np.ones(DIM * 2, np.float32))
+CORRUPT_VALUES = [b"not a vector at all", codec.encode(vec("a"))[:-3], GOOD_OTHER_DIM]
+CORRUPT_IDS = ["garbage", "truncated", "wrong-dim"]
 
 
 @pytest.mark.parametrize(
     "garbage",
-    [b"not a vector at all", codec.encode(vec("a"))[:-3], GOOD_OTHER_DIM],
-    ids=["garbage", "truncated", "wrong-dim"],
+    CORRUPT_VALUES,
+    ids=CORRUPT_IDS,
 )
 def test_corrupt_entry_is_a_miss_and_is_overwritten(tmp_path: Path, garbage: bytes) -> None:
     lmdb_store = LmdbByteStore(tmp_path / "db", 64 * MiB)

@@ -10,30 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from langchain_core.stores import BaseStore, ByteStore
+from langchain_core.stores import ByteStore
 
 from cache import codec
 from cache.stores import LmdbByteStore, MemoryByteStore, TieredByteStore, build_store
+from tests.test_cache import BrokenStore
 
 MiB = 1 << 20
-
-
-class BrokenStore(BaseStore[str, bytes]):
-    """A second tier that is down (Redis unreachable, disk gone)."""
-
-    kind = "broken"
-
-    def mget(self, keys: Sequence[str]) -> list[bytes | None]:
-        raise ConnectionError("store down")
-
-    def mset(self, key_value_pairs: Sequence[tuple[str, bytes]]) -> None:
-        raise ConnectionError("store down")
-
-    def mdelete(self, keys: Sequence[str]) -> None:
-        raise ConnectionError("store down")
-
-    def yield_keys(self, *, prefix: str | None = None) -> Iterator[str]:
-        raise ConnectionError("store down")
 
 
 StoreFactory = Callable[[Path], ByteStore]

@@ -20,7 +20,15 @@ from tests.redis_server import (  # noqa: F401  (pytest fixtures)
     redis_server_fixture,
     redis_session_fixture,
 )
-from tests.test_cache import DIM, FakeCompute, assert_vectors, run, vec
+from tests.test_cache import (
+    CORRUPT_IDS,
+    CORRUPT_VALUES,
+    DIM,
+    FakeCompute,
+    assert_vectors,
+    run,
+    vec,
+)
 
 pytestmark = pytest.mark.redis
 MiB = 1 << 20
@@ -200,18 +208,15 @@ def test_a_degraded_store_is_skipped_until_retry_after(own_redis: RedisServer) -
     now[0] = 5.0  # retry_after_s later, the next call tries Redis again and succeeds
     run(lambda: emb.aembed(["c"]))
     assert not tiered.store_degraded
-    assert store_of(emb).store.mget([emb.key("c")]) != [None]  # type: ignore[union-attr]
+    assert store_of(emb).store.mget([emb.key("c")]) != [None]
     assert compute.texts == ["a", "b", "c"]
     tiered.close()
 
 
-GOOD_OTHER_DIM = codec.encode(np.ones(DIM * 2, np.float32))
-
-
 @pytest.mark.parametrize(
     "garbage",
-    [b"not a vector at all", codec.encode(vec("a"))[:-3], GOOD_OTHER_DIM],
-    ids=["garbage", "truncated", "wrong-dim"],
+    CORRUPT_VALUES,
+    ids=CORRUPT_IDS,
 )
 def test_corrupt_redis_entry_is_a_counted_miss_and_is_overwritten(
     redis_server: RedisServer, garbage: bytes
