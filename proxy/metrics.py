@@ -17,7 +17,6 @@ from prometheus_client.registry import Collector
 from proxy.gpu_health import THROTTLE_REASONS
 from proxy.services import Services
 from proxy.stats import build_stats, engine_info_labels
-from proxy.telemetry import instrument_batcher
 
 Family = CounterMetricFamily | GaugeMetricFamily | InfoMetricFamily
 
@@ -25,7 +24,6 @@ Family = CounterMetricFamily | GaugeMetricFamily | InfoMetricFamily
 class StatsCollector(Collector):
     def __init__(self, services: Services) -> None:
         self.services = services
-        self.stages = instrument_batcher(services.batcher, services.registry)
 
     def collect(self) -> Iterator[Family]:
         stats = build_stats(self.services)

@@ -27,7 +27,7 @@ from features.models import DriverRecord
 from features.text import TEXT_SCHEMA_VERSION, driver_text
 from indexes.store import FleetVectorStore
 from proxy.settings import Settings
-from proxy.telemetry import RequestLatency
+from proxy.telemetry import RequestLatency, StageTimingEngine
 
 log = logging.getLogger("fleetcache.proxy")
 
@@ -46,7 +46,7 @@ class Services:
     batcher: Batcher
     embedder: CachedEmbedder
     index: FleetVectorStore
-    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    registry: CollectorRegistry
     started: float = field(default_factory=time.monotonic)
     index_ready: bool = False
     index_revision: int = 0  # bumped on every fleet change; snapshots skip when unchanged
@@ -125,8 +125,9 @@ async def open_services(
             info.fingerprint,
         )
 
+        registry = CollectorRegistry()
         batcher = Batcher(
-            engine,
+            StageTimingEngine(engine, registry),  # stage histograms for /metrics
             max_batch_size=settings.max_batch_size,
             max_delay_ms=settings.max_delay_ms,
             max_queue=settings.max_queue,
@@ -144,6 +145,6 @@ async def open_services(
 
         index = await asyncio.to_thread(FleetVectorStore.load, settings.index_dir, info.dim)
         log.info("fleet index loaded: %d drivers", len(index))
-        services = Services(settings, engine, batcher, embedder, index)
+        services = Services(settings, engine, batcher, embedder, index, registry)
         stack.callback(services.snapshot)  # exit runs in reverse: saved first, engine closed last
         yield services

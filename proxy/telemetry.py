@@ -12,15 +12,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Histogram
 
 from engines.base import Batch, Engine, Vectors
-
-if TYPE_CHECKING:
-    from engines.batcher import Batcher
 
 # geometric buckets from 0.25 ms to ~16 s (STYLE.md rule 10)
 LATENCY_BUCKETS = tuple(0.00025 * 2**i for i in range(17))
@@ -66,7 +63,7 @@ class StageTimingEngine(Engine):
     ahead), ``forward`` and ``postprocess``; each is observed in
     ``fleetcache_engine_stage_duration_seconds{stage}``. ``forward`` also observes the batch
     size, and ``forward`` + ``postprocess`` the batch's device time. Warm-up runs the engine
-    directly, before this wrapper exists, and is not counted (as in ``inference.items``).
+    directly, not through this wrapper, and is not counted (as in ``inference.items``).
     """
 
     def __init__(self, inner: Engine, registry: CollectorRegistry) -> None:
@@ -128,17 +125,3 @@ class StageTimingEngine(Engine):
 
     def close(self) -> None:
         self.inner.close()
-
-
-def instrument_batcher(batcher: Batcher, registry: CollectorRegistry) -> StageTimingEngine:
-    """Put a ``StageTimingEngine`` between the batcher and its engine (idempotent).
-
-    Called while the service is being assembled, before any batch runs.
-    TODO(lead): move into ``open_services`` (``Batcher(StageTimingEngine(engine, registry))``)
-    once ``Services`` builds its registry before the batcher.
-    """
-    if isinstance(batcher.engine, StageTimingEngine):
-        return batcher.engine
-    wrapped = StageTimingEngine(batcher.engine, registry)
-    batcher.engine = wrapped
-    return wrapped
