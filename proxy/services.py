@@ -23,7 +23,7 @@ from cache.stores import TieredByteStore
 from engines.base import Engine
 from engines.batcher import Batcher
 from engines.registry import create_engine
-from features.models import DriverRecord
+from features.models import DriverRecord, Position, Status
 from features.text import TEXT_SCHEMA_VERSION, driver_text
 from indexes.store import FleetVectorStore
 from proxy.settings import Settings
@@ -78,6 +78,19 @@ class Services:
         self.index.upsert_drivers(records, result.vectors)
         self.index_revision += 1
         return len(records), result
+
+    def update_driver(
+        self, driver_id: str, *, position: Position | None, status: Status | None
+    ) -> DriverRecord:
+        """Move a driver or change its status: no inference. KeyError for an unknown id."""
+        record = self.index.update_driver(driver_id, position=position, status=status)
+        self.index_revision += 1
+        return record
+
+    def delete_driver(self, driver_id: str) -> bool:
+        deleted = self.index.delete_driver(driver_id)
+        self.index_revision += deleted
+        return deleted
 
     def snapshot(self) -> None:
         self.index.save(self.settings.index_dir)

@@ -63,16 +63,14 @@ async def patch_driver(driver_id: str, body: DriverPatch, services: ServicesDep)
     if body.position is None and body.status is None:
         raise APIError(422, "send position, status or both", param="position")
     try:
-        record = services.index.update_driver(driver_id, position=body.position, status=body.status)
+        record = services.update_driver(driver_id, position=body.position, status=body.status)
     except KeyError:
         raise unknown_driver(driver_id) from None
-    services.index_revision += 1
     return record_json(record)
 
 
 @router.delete("/v1/fleet/drivers/{driver_id}")
 async def delete_driver(driver_id: str, services: ServicesDep) -> dict[str, Any]:
-    if not services.index.delete_driver(driver_id):
+    if not services.delete_driver(driver_id):
         raise unknown_driver(driver_id)
-    services.index_revision += 1
     return {"deleted": driver_id}
