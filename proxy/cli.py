@@ -91,24 +91,23 @@ def count_rows(path: Path) -> int | None:
 
 
 async def warmup_job(
-    path: Path, url: str | None, progress: WarmupProgress, **options: Any
+    path: Path,
+    url: str | None,
+    settings: Settings | None,
+    progress: WarmupProgress,
+    **options: Any,
 ) -> WarmupProgress:
+    """Through the proxy at ``url``, or directly on ``settings``' data dir."""
     if url:
-        checkpoint = checkpoint_for(Path(".fleetcache"), path)
         async with httpx.AsyncClient(
             base_url=url, headers={"X-Caller": "warmup"}, timeout=600
         ) as client:
-            return await run_warmup(
-                path, RemoteSink(client), progress, checkpoint=checkpoint, **options
-            )
-    settings = load_settings()
+            return await run_warmup(path, RemoteSink(client), progress, **options)
     from proxy.services import open_services
 
+    assert settings is not None
     async with open_services(settings) as services:
-        checkpoint = checkpoint_for(settings.data_dir, path)
-        return await run_warmup(
-            path, LocalSink(services), progress, checkpoint=checkpoint, **options
-        )
+        return await run_warmup(path, LocalSink(services), progress, **options)
 
 
 @app.command()
@@ -138,6 +137,9 @@ def warmup(
         console.print(f"[red]no such file:[/red] {path}")
         raise typer.Exit(2)
     setup_logging("warning")
+    settings = None if url else load_settings()
+    # direct mode keeps its place in the data dir; through a proxy, in the working directory
+    checkpoint = checkpoint_for(settings.data_dir if settings else Path(".fleetcache"), path)
     rejects = rejects or Path(f"{path.name}.rejects.jsonl")
     progress = WarmupProgress(source=str(path), dry_run=dry_run)
     columns = (
@@ -179,9 +181,9 @@ def warmup(
                 asyncio.run(run_warmup(path, None, progress, **options))
             else:
                 if restart:
-                    checkpoint_for(load_settings().data_dir, path).clear()
-                    checkpoint_for(Path(".fleetcache"), path).clear()
-                asyncio.run(warmup_job(path, url, progress, **options))
+                    checkpoint.clear()
+                job = warmup_job(path, url, settings, progress, checkpoint=checkpoint, **options)
+                asyncio.run(job)
         except KeyboardInterrupt:
             console.print("[yellow]interrupted: run the same command again to resume[/yellow]")
             raise typer.Exit(130) from None
