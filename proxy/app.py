@@ -56,15 +56,17 @@ async def run_services(
     try:
         async with open_services(settings, engine) as services:
             app.state.services = services
-            if settings.demo_drivers:
-                await load_demo_fleet(services, settings.demo_drivers, settings.demo_seed)
-            services.index_ready = True
-            log.info("ready: %d drivers in the fleet index", len(services.index))
-            snapshots = asyncio.create_task(snapshot_periodically(services))
+            snapshots: asyncio.Task[None] | None = None
             try:
+                if settings.demo_drivers:
+                    await load_demo_fleet(services, settings.demo_drivers, settings.demo_seed)
+                services.index_ready = True
+                log.info("ready: %d drivers in the fleet index", len(services.index))
+                snapshots = asyncio.create_task(snapshot_periodically(services))
                 await stop.wait()
-            finally:
-                snapshots.cancel()
+            finally:  # no request may reach services that are being closed
+                if snapshots is not None:
+                    snapshots.cancel()
                 app.state.services = None
     except Exception as exc:
         log.exception("start-up failed")

@@ -13,11 +13,15 @@ from proxy.services import Services
 _CALLER = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,31}$")
 
 
+def not_started_reason(request: Request) -> str:
+    """Why there are no services yet: still starting, or the start-up error."""
+    return str(request.app.state.startup_error or "the service is starting")
+
+
 def get_services(request: Request) -> Services:
     services: Services | None = request.app.state.services
     if services is None:
-        reason = request.app.state.startup_error or "the service is starting"
-        raise APIError(503, reason, type="not_ready")
+        raise APIError(503, not_started_reason(request), type="not_ready")
     return services
 
 

@@ -9,7 +9,7 @@ from fastapi.responses import HTMLResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy.dashboard import dashboard_html
-from proxy.deps import ServicesDep
+from proxy.deps import ServicesDep, not_started_reason
 from proxy.errors import error_response
 from proxy.stats import build_stats
 
@@ -30,8 +30,7 @@ async def healthz() -> dict[str, str]:
 async def readyz(request: Request) -> Response:
     services = request.app.state.services
     if services is None:
-        reason = request.app.state.startup_error or "the service is starting"
-        return error_response(503, reason, type="not_ready")
+        return error_response(503, not_started_reason(request), type="not_ready")
     ready, reason = services.ready
     if not ready:
         return error_response(503, reason, type="not_ready")
