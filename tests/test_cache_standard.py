@@ -51,128 +51,94 @@ def _open(store: CacheStore) -> Iterator[BaseStore[str, bytes]]:
     store.close()
 
 
-# -- memory ------------------------------------------------------------------------------
+class _Values:
+    """The values every suite stores: short, with NUL and 0xFF bytes, and 4 KB."""
+
+    @pytest.fixture
+    def three_values(self) -> tuple[bytes, bytes, bytes]:
+        return VALUES
 
 
-class TestMemorySync(BaseStoreSyncTests[bytes]):
+# Each store is a mixin giving ``kv_store``; the sync and async suites share it.
+
+
+class _Memory(_Values):
     @pytest.fixture
     def kv_store(self) -> Iterator[BaseStore[str, bytes]]:
         yield from _open(MemoryByteStore(MiB))
 
-    @pytest.fixture
-    def three_values(self) -> tuple[bytes, bytes, bytes]:
-        return VALUES
 
-
-@pytest.mark.anyio
-class TestMemoryAsync(BaseStoreAsyncTests[bytes]):
-    @pytest.fixture
-    def kv_store(self) -> Iterator[BaseStore[str, bytes]]:
-        yield from _open(MemoryByteStore(MiB))
-
-    @pytest.fixture
-    def three_values(self) -> tuple[bytes, bytes, bytes]:
-        return VALUES
-
-
-# -- LMDB --------------------------------------------------------------------------------
-
-
-class TestLmdbSync(BaseStoreSyncTests[bytes]):
+class _Lmdb(_Values):
     @pytest.fixture
     def kv_store(self, tmp_path: Path) -> Iterator[BaseStore[str, bytes]]:
         yield from _open(LmdbByteStore(tmp_path / "db", 64 * MiB))
 
-    @pytest.fixture
-    def three_values(self) -> tuple[bytes, bytes, bytes]:
-        return VALUES
 
-
-@pytest.mark.anyio
-class TestLmdbAsync(BaseStoreAsyncTests[bytes]):
-    @pytest.fixture
-    def kv_store(self, tmp_path: Path) -> Iterator[BaseStore[str, bytes]]:
-        yield from _open(LmdbByteStore(tmp_path / "db", 64 * MiB))
-
-    @pytest.fixture
-    def three_values(self) -> tuple[bytes, bytes, bytes]:
-        return VALUES
-
-
-# -- tiered: memory over LMDB --------------------------------------------------------------
-
-
-class TestTieredLmdbSync(BaseStoreSyncTests[bytes]):
+class _TieredLmdb(_Values):
     @pytest.fixture
     def kv_store(self, tmp_path: Path) -> Iterator[BaseStore[str, bytes]]:
         yield from _open(
             TieredByteStore(MemoryByteStore(MiB), LmdbByteStore(tmp_path / "db", 64 * MiB))
         )
 
-    @pytest.fixture
-    def three_values(self) -> tuple[bytes, bytes, bytes]:
-        return VALUES
 
-
-@pytest.mark.anyio
-class TestTieredLmdbAsync(BaseStoreAsyncTests[bytes]):
-    @pytest.fixture
-    def kv_store(self, tmp_path: Path) -> Iterator[BaseStore[str, bytes]]:
-        yield from _open(
-            TieredByteStore(MemoryByteStore(MiB), LmdbByteStore(tmp_path / "db", 64 * MiB))
-        )
-
-    @pytest.fixture
-    def three_values(self) -> tuple[bytes, bytes, bytes]:
-        return VALUES
-
-
-# -- Redis, alone and under memory -----------------------------------------------------------
-
-
-@pytest.mark.redis
-class TestRedisSync(BaseStoreSyncTests[bytes]):
+class _Redis(_Values):
     @pytest.fixture
     def kv_store(self, redis_server: RedisServer) -> Iterator[BaseStore[str, bytes]]:
         yield from _open(RedisByteStore(redis_server.url, socket_timeout_s=2.0))
 
-    @pytest.fixture
-    def three_values(self) -> tuple[bytes, bytes, bytes]:
-        return VALUES
 
-
-@pytest.mark.redis
-@pytest.mark.anyio
-class TestRedisAsync(BaseStoreAsyncTests[bytes]):
-    @pytest.fixture
-    def kv_store(self, redis_server: RedisServer) -> Iterator[BaseStore[str, bytes]]:
-        yield from _open(RedisByteStore(redis_server.url, socket_timeout_s=2.0))
-
-    @pytest.fixture
-    def three_values(self) -> tuple[bytes, bytes, bytes]:
-        return VALUES
-
-
-@pytest.mark.redis
-class TestTieredRedisSync(BaseStoreSyncTests[bytes]):
+class _TieredRedis(_Values):
     @pytest.fixture
     def kv_store(self, redis_server: RedisServer) -> Iterator[BaseStore[str, bytes]]:
         redis_store = RedisByteStore(redis_server.url, socket_timeout_s=2.0)
         yield from _open(TieredByteStore(MemoryByteStore(MiB), redis_store))
 
-    @pytest.fixture
-    def three_values(self) -> tuple[bytes, bytes, bytes]:
-        return VALUES
+
+class TestMemorySync(_Memory, BaseStoreSyncTests[bytes]):
+    pass
+
+
+@pytest.mark.anyio
+class TestMemoryAsync(_Memory, BaseStoreAsyncTests[bytes]):
+    pass
+
+
+class TestLmdbSync(_Lmdb, BaseStoreSyncTests[bytes]):
+    pass
+
+
+@pytest.mark.anyio
+class TestLmdbAsync(_Lmdb, BaseStoreAsyncTests[bytes]):
+    pass
+
+
+class TestTieredLmdbSync(_TieredLmdb, BaseStoreSyncTests[bytes]):
+    pass
+
+
+@pytest.mark.anyio
+class TestTieredLmdbAsync(_TieredLmdb, BaseStoreAsyncTests[bytes]):
+    pass
+
+
+@pytest.mark.redis
+class TestRedisSync(_Redis, BaseStoreSyncTests[bytes]):
+    pass
 
 
 @pytest.mark.redis
 @pytest.mark.anyio
-class TestTieredRedisAsync(BaseStoreAsyncTests[bytes]):
-    @pytest.fixture
-    def kv_store(self, redis_server: RedisServer) -> Iterator[BaseStore[str, bytes]]:
-        redis_store = RedisByteStore(redis_server.url, socket_timeout_s=2.0)
-        yield from _open(TieredByteStore(MemoryByteStore(MiB), redis_store))
+class TestRedisAsync(_Redis, BaseStoreAsyncTests[bytes]):
+    pass
 
-    @pytest.fixture
-    def three_values(self) -> tuple[bytes, bytes, bytes]:
-        return VALUES
+
+@pytest.mark.redis
+class TestTieredRedisSync(_TieredRedis, BaseStoreSyncTests[bytes]):
+    pass
+
+
+@pytest.mark.redis
+@pytest.mark.anyio
+class TestTieredRedisAsync(_TieredRedis, BaseStoreAsyncTests[bytes]):
+    pass
