@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, TypeVar, cast
 from urllib.parse import urlsplit, urlunsplit
@@ -53,6 +53,16 @@ def _redact(url: str) -> str:
     if parts.port is not None:
         netloc += f":{parts.port}"
     return urlunsplit(parts._replace(netloc=netloc))
+
+
+def _unseen(keys: Iterable[str], seen: set[str]) -> list[str]:
+    """The keys not seen before, in order, now remembered (SCAN may return a key twice)."""
+    fresh = []
+    for key in keys:
+        if key not in seen:
+            seen.add(key)
+            fresh.append(key)
+    return fresh
 
 
 class RedisByteStore(CacheStore):
@@ -166,10 +176,7 @@ class RedisByteStore(CacheStore):
         match, cursor, seen = self._match(prefix), 0, set[str]()
         while True:
             cursor, keys = self._scan(cursor, match)
-            for key in keys:
-                if key not in seen:
-                    seen.add(key)
-                    yield key
+            yield from _unseen(keys, seen)
             if cursor == 0:
                 return
 
@@ -199,10 +206,8 @@ class RedisByteStore(CacheStore):
         match, cursor, seen = self._match(prefix), 0, set[str]()
         while True:
             cursor, keys = await self._run(self._scan, cursor, match)
-            for key in keys:
-                if key not in seen:
-                    seen.add(key)
-                    yield key
+            for key in _unseen(keys, seen):
+                yield key
             if cursor == 0:
                 return
 

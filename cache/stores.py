@@ -496,43 +496,49 @@ class TieredByteStore(CacheStore):
         except Exception as exc:
             self._store_failed("yield_keys", exc)
 
-    def contains(self, keys: Sequence[str]) -> list[bool]:
+    def _memory_contains(self, keys: Sequence[str]) -> tuple[list[bool], list[int]]:
         found = self.memory.contains(keys)
-        missing = [i for i, f in enumerate(found) if not f]
-        store = self._live_store() if missing else None
-        if store is not None:
-            sub = [keys[i] for i in missing]
-            try:
-                if isinstance(store, CacheStore):
-                    in_store = store.contains(sub)
-                else:
-                    in_store = [v is not None for v in store.mget(sub)]
-            except Exception as exc:
-                self._store_failed("contains", exc)
-                return found
-            self._store_ok()
-            for i, f in zip(missing, in_store, strict=True):
-                found[i] = f
+        return found, [i for i, f in enumerate(found) if not f]
+
+    def _merge_found(
+        self, found: list[bool], missing: list[int], in_store: Sequence[bool]
+    ) -> list[bool]:
+        self._store_ok()
+        for i, f in zip(missing, in_store, strict=True):
+            found[i] = f
         return found
 
-    async def acontains(self, keys: Sequence[str]) -> list[bool]:
-        found = self.memory.contains(keys)
-        missing = [i for i, f in enumerate(found) if not f]
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        found, missing = self._memory_contains(keys)
         store = self._live_store() if missing else None
-        if store is not None:
-            sub = [keys[i] for i in missing]
-            try:
-                if isinstance(store, CacheStore):
-                    in_store = await store.acontains(sub)
-                else:
-                    in_store = [v is not None for v in await store.amget(sub)]
-            except Exception as exc:
-                self._store_failed("contains", exc)
-                return found
-            self._store_ok()
-            for i, f in zip(missing, in_store, strict=True):
-                found[i] = f
-        return found
+        if store is None:
+            return found
+        sub = [keys[i] for i in missing]
+        try:
+            if isinstance(store, CacheStore):
+                in_store = store.contains(sub)
+            else:
+                in_store = [v is not None for v in store.mget(sub)]
+        except Exception as exc:
+            self._store_failed("contains", exc)
+            return found
+        return self._merge_found(found, missing, in_store)
+
+    async def acontains(self, keys: Sequence[str]) -> list[bool]:
+        found, missing = self._memory_contains(keys)
+        store = self._live_store() if missing else None
+        if store is None:
+            return found
+        sub = [keys[i] for i in missing]
+        try:
+            if isinstance(store, CacheStore):
+                in_store = await store.acontains(sub)
+            else:
+                in_store = [v is not None for v in await store.amget(sub)]
+        except Exception as exc:
+            self._store_failed("contains", exc)
+            return found
+        return self._merge_found(found, missing, in_store)
 
     def info(self) -> dict[str, Any]:
         store_info: dict[str, Any] = {"kind": self.store_kind}
