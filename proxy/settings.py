@@ -28,12 +28,26 @@ class Settings(BaseSettings):
     max_batch_size: int = Field(64, ge=1, le=8192)
     max_delay_ms: float = Field(2.0, ge=0.0, le=1000.0)
     max_queue: int = Field(100_000, ge=1)
+    max_batch_tokens: int = Field(32_768, ge=8, description="batch size x padded sequence length")
+    dispatch_deadline_ms: float | None = Field(
+        30_000.0, gt=0.0, description="dispatch items still queued after this are dropped"
+    )
+    warmup_deadline_ms: float | None = Field(None, gt=0.0, description="none: warm-up waits")
+    # fallback: the primary engine is unhealthy when it fails or its batch p99 stays too high
+    fallback_engine: EngineKind | None = Field(
+        None, description="serves misses while the primary is unhealthy, same fingerprint only"
+    )
+    fallback_device: str = "cpu"
+    max_batch_p99_ms: float | None = Field(None, gt=0.0, description="none: no latency limit")
     # cache
     store: StoreKind = "lmdb"
     redis_url: str = "redis://127.0.0.1:6379/0"
     data_dir: Path = Path("./data")
     memory_cache_mb: float = Field(256.0, ge=0.0, description="tier-1 LRU size")
     lmdb_map_size_gb: float = Field(8.0, gt=0.0)
+    cache_ttl_driver_s: float | None = Field(None, gt=0.0, description="none: never expires")
+    cache_ttl_vehicle_s: float | None = Field(None, gt=0.0, description="none: never expires")
+    admin_token: str | None = Field(None, description="bearer token for /v1/cache admin routes")
     # request limits (API.md)
     max_texts_per_request: int = Field(2048, ge=1)
     max_records_per_request: int = Field(10_000, ge=1)
