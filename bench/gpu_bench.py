@@ -1,6 +1,6 @@
 """GPU benchmark of the torch engine and the batcher: one run, one table.
 
-    python3 bench/gpu_bench.py --model PATH [--texts 1000] [--out DIR] [--quick]
+    python3 bench/gpu_bench.py --model PATH [--texts 1000] [--out DIR] [--quick] [--http]
 
 Measures, all on the same synthetic fleet texts:
 
@@ -10,7 +10,10 @@ Measures, all on the same synthetic fleet texts:
    device copy, forward, device to host copy) and of ``embed`` (tokenization included),
    eager at bucket shapes vs CUDA graphs, plus the plain sentence-transformers path;
 3. the batcher under 64 concurrent submitters of 1-32 texts each, against the raw engine
-   at the batch size the batcher formed, and against one forward per text.
+   at the batch size the batcher formed, and against one forward per text;
+4. with ``--http``: the full proxy (``fleetcache serve`` on loopback, this process as the
+   load generator) on the same GPU: requests of 32 new texts (all misses) and of 32 cached
+   texts at 64 concurrent connections, against one forward per text.
 
 Writes ``gpu_bench.md`` and ``gpu_bench.json`` under ``--out``. Runs on the CPU with
 ``--quick`` (a smoke test of the script, not a measurement).
@@ -22,8 +25,10 @@ import argparse
 import asyncio
 import datetime
 import json
+import os
 import platform
 import random
+import signal
 import statistics
 import sys
 import time
@@ -122,6 +127,7 @@ def main() -> None:
     parser.add_argument("--texts", type=int, default=1000, help="parity texts")
     parser.add_argument("--out", default="bench-out")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke test)")
+    parser.add_argument("--http", action="store_true", help="also the full proxy over HTTP")
     args = parser.parse_args()
 
     import torch
@@ -258,14 +264,69 @@ def main() -> None:
         f"one-text-per-forward (st-fp16)"
     )
     results["per_text"] = per_text
+    for engine in engines.values():
+        engine.close()
+    if args.http:
+        say()
+        say("## full proxy over HTTP (fleetcache serve, torch engine, max_batch_size 256)")
+        rows = http_run(args.model, device, texts, concurrency=64, requests=200 if cuda else 8)
+        say("| requests of 32 texts | p50 ms | p99 ms | texts/s | vs one text per forward |")
+        say("|---|---|---|---|---|")
+        for kind, row in rows.items():
+            ratio = row["texts_per_s"] / per_text["st-fp16"]["texts_per_s"]
+            say(
+                f"| {kind} | {row['p50_ms']:.2f} | {row['p99_ms']:.2f} "
+                f"| {row['texts_per_s']:,.0f} | {ratio:.1f}x |"
+            )
+        say(f"server: {rows['all new (misses)']['server']}")
+        results["http"] = rows
     results["meta"] = {"device": device, "gpu": gpu, "torch": torch.__version__, "argv": sys.argv}
     (out / "gpu_bench.md").write_text("\n".join(lines) + "\n")
     (out / "gpu_bench.json").write_text(json.dumps(results, indent=1, default=str))
-    for engine in engines.values():
-        engine.close()
     print(
         f"wrote {out / 'gpu_bench.md'}; median warm-up {statistics.median(warm_s.values()):.1f} s"
     )
+
+
+def http_run(
+    model: str, device: str, texts: list[str], concurrency: int, requests: int
+) -> dict[str, dict[str, Any]]:
+    """All-miss then all-hit requests of 32 texts against a real server on this machine."""
+    import tempfile
+
+    import httpx
+
+    from bench.http_bench import load, start_server
+
+    size = 32
+    fresh = [f"{t} #{i}" for i, t in enumerate(texts * (requests * size // len(texts) + 1))]
+    new = [fresh[i : i + size] for i in range(0, requests * size, size)]
+    rng = random.Random(3)
+    cached = [rng.sample(fresh[: requests * size], size) for _ in range(requests)]
+    rows: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, url = start_server(
+            "torch", Path(tmp) / "data", device=device, model_path=model, max_batch_size="256"
+        )
+        try:
+            for kind, batches in (("all new (misses)", new), ("all cached (hits)", cached)):
+                latencies, rps = asyncio.run(load(url, batches, concurrency))
+                rows[kind] = {
+                    "p50_ms": float(np.percentile(latencies, 50)),
+                    "p99_ms": float(np.percentile(latencies, 99)),
+                    "texts_per_s": rps * size,
+                }
+            stats = httpx.get(f"{url}/v1/stats").json()
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+    inference = stats["inference"]
+    rows["all new (misses)"]["server"] = (
+        f"hits={stats['cache']['hits']} misses={stats['cache']['misses']} "
+        f"items={inference['items']} mean_batch={inference['mean_batch']:.1f} "
+        f"p99_batch_ms={inference['p99_batch_ms']:.2f}"
+    )
+    return rows
 
 
 if __name__ == "__main__":

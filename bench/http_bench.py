@@ -36,7 +36,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(engine: str, data_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(
+    engine: str, data_dir: Path, **settings: str
+) -> tuple[subprocess.Popen[bytes], str]:
+    """``fleetcache serve`` on a free port; ``settings`` are extra FLEETCACHE_* variables
+    (lower-case names, e.g. ``device="cuda"``, ``model_path=...``)."""
     port = free_port()
     env = {
         **os.environ,
@@ -44,6 +48,7 @@ def start_server(engine: str, data_dir: Path) -> tuple[subprocess.Popen[bytes], 
         "FLEETCACHE_DATA_DIR": str(data_dir),
         "FLEETCACHE_DEVICE": "cpu",
         "HF_HUB_OFFLINE": "1",
+        **{f"FLEETCACHE_{name.upper()}": value for name, value in settings.items()},
     }
     cmd = [
         sys.executable,
@@ -55,25 +60,25 @@ def start_server(engine: str, data_dir: Path) -> tuple[subprocess.Popen[bytes], 
         "--log-level",
         "warning",
     ]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    data_dir.mkdir(parents=True, exist_ok=True)
+    log = data_dir / "server.log"
+    with log.open("wb") as sink:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=sink, stderr=sink, start_new_session=True
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and proc.poll() is None:
         try:
             if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
                 return proc, url
         except httpx.TransportError:
             pass
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGTERM)
-    raise RuntimeError("server did not become ready")
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+    tail = log.read_text(errors="replace")[-3000:]
+    raise RuntimeError(f"server did not become ready; its log ends with:\n{tail}")
 
 
 async def load(url: str, batches: list[list[str]], concurrency: int) -> tuple[list[float], float]:
