@@ -3,7 +3,8 @@
 Exceptions::
 
     EngineError                 anything an engine or the batcher raises on purpose
-     +-- EngineUnavailableError the engine cannot be loaded here (missing extra, no GPU)
+     +-- EngineUnavailableError the engine cannot run here (missing extra, no GPU), or it is
+     |                          unhealthy and nothing may serve in its place (HTTP 503)
      +-- QueueFullError         the batcher's bounded queue is full (the proxy answers 429)
      +-- DeadlineExceededError  an item's deadline passed before it reached the engine
 
@@ -60,8 +61,12 @@ class Batch:
     """What ``tokenize`` hands to ``forward``: engine-specific tensors plus the count."""
 
     size: int
-    tokens: int  # real (unpadded) tokens in the batch, for token budgets
+    tokens: int  # real (unpadded) tokens in the batch
     data: dict[str, Any] = field(default_factory=dict)
+    # Per text, the sequence length it is padded to when alone (its sequence bucket); a batch
+    # costs size x max of these (the batcher's token budget). None: unknown, the batcher
+    # assumes max_seq_length for every text.
+    seq_lengths: npt.NDArray[np.int64] | None = None
 
 
 def make_fingerprint(**parts: object) -> str:
@@ -106,7 +111,12 @@ class Engine(ABC):
         return self.postprocess(self.forward(batch), batch)
 
     def health(self) -> dict[str, Any]:
-        """Cheap liveness facts for /readyz and /v1/stats; never raises."""
+        """Cheap liveness facts for /readyz and /v1/stats; never raises.
+
+        ``ok`` is required. An engine that judges its own health (``FallbackEngine``) adds
+        ``reason`` (why not ok) and ``serving`` (``primary`` | ``fallback`` | ``none``); the
+        batcher reports them and refuses submissions at once while ``serving`` is ``none``.
+        """
         return {"ok": True}
 
     def close(self) -> None:  # noqa: B027 - optional hook

@@ -10,7 +10,9 @@ Threading model::
       wait for work, then up to max_delay_ms for a
       full batch; take up to max_batch_size items,
       dispatch lane before warmup lane, dropping
-      requests whose future is already done  ------->  engine.embed(texts)
+      requests whose future is already done or
+      whose deadline passed                  ------->  tokenize, then forward in groups
+                                                       within max_batch_tokens
       await the result                       <-------  (n, dim) float32 or an exception
       copy each request's rows, resolve futures
 
@@ -22,9 +24,21 @@ Threading model::
 
 Every future is resolved on every path: with its rows; with the batch's ``EngineError`` (only
 the requests in that batch; the worker keeps serving); with ``EngineError("batcher closed")``
-on ``aclose``; or by the submitter's own cancellation, whose items still queued are dropped
-before reaching the engine. A request larger than ``max_batch_size`` is split across batches
-and resolved when its last slice returns.
+on ``aclose``; with ``DeadlineExceededError`` when its deadline passes while some of its items
+have not reached the engine yet (a timer fails it at the deadline, even while the engine is
+busy; items already in the engine finish, their rows are discarded); with
+``EngineUnavailableError`` at once when the engine's health says nothing can serve; or by the
+submitter's own cancellation. Items of a failed, expired or cancelled request that are still
+queued (or tokenized ahead) are dropped before reaching the engine. A request larger than
+``max_batch_size`` is split across batches and resolved when its last slice returns.
+
+Token budget: a batch costs ``size x padded sequence length`` (``Batch.seq_lengths``, the
+engine's own tokenization and buckets). Lengths are only known once a batch is tokenized, and
+tokenizing twice would halve what the tokenizer (the bottleneck next to a GPU) can feed, so the
+budget is enforced on the engine thread: a batch over ``max_batch_tokens`` is run as several
+forwards, contiguous groups within the budget (each tokenized again); a text over the budget
+on its own runs alone. Batches tokenized ahead go through the same check. Size the budget so
+that normal traffic never reaches it: it is a guard against long texts.
 """
 
 from __future__ import annotations
@@ -33,14 +47,23 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
 
 import numpy as np
+import numpy.typing as npt
 
-from engines.base import Batch, Engine, EngineError, QueueFullError, Vectors
+from engines.base import (
+    Batch,
+    DeadlineExceededError,
+    Engine,
+    EngineError,
+    EngineUnavailableError,
+    QueueFullError,
+    Vectors,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -59,21 +82,54 @@ class InferenceStats:
     p99_batch_ms: float
     last_error: str | None
     failed_batches: int
+    expired_items: int  # dropped because their deadline passed before the engine saw them
+    queue_wait_p50_ms: float  # submit -> batch handed to the engine, last ``window`` slices
+    queue_wait_p99_ms: float
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    """Whether misses can be computed now, and by what (/readyz, /v1/stats)."""
+
+    healthy: bool
+    reason: str | None  # why not healthy
+    serving: str  # primary | fallback | none (misses are refused at once)
+
+
+QueueWaitObserver = Callable[[str, float], None]  # (lane, seconds), once per request slice
 
 
 class _Request:
     """One submission: its texts, the rows filled so far and the future its caller awaits."""
 
-    __slots__ = ("filled", "future", "lane", "rows", "taken", "texts")
+    __slots__ = (
+        "deadline",
+        "filled",
+        "future",
+        "lane",
+        "rows",
+        "sent",
+        "submitted",
+        "taken",
+        "texts",
+    )
 
     def __init__(
-        self, texts: list[str], future: asyncio.Future[Vectors], dim: int, lane: str
+        self,
+        texts: list[str],
+        future: asyncio.Future[Vectors],
+        dim: int,
+        lane: str,
+        deadline: float | None,
     ) -> None:
         self.texts = texts
         self.lane = lane
         self.future = future
+        self.deadline = deadline  # time.monotonic() after which queued items are dropped
+        self.submitted = time.monotonic()
         self.rows: Vectors = np.empty((len(texts), dim), dtype=np.float32)
         self.taken = 0  # items handed to a batch or dropped; the rest are still queued
+        self.sent = 0  # items handed to the engine thread
         self.filled = 0  # rows written back
 
     @property
@@ -89,7 +145,9 @@ class Batcher:
 
     Use from one event loop: ``async with Batcher(engine) as batcher: await
     batcher.submit(texts)``. The engine must already be loaded and warmed; the batcher only
-    runs it.
+    runs it. ``max_batch_tokens`` (None: no budget) bounds each forward's size x padded
+    sequence length. ``on_queue_wait`` (settable later) is called on the event loop with
+    ``(lane, seconds)`` for every request slice handed to the engine.
     """
 
     def __init__(
@@ -99,14 +157,20 @@ class Batcher:
         max_batch_size: int = 64,
         max_delay_ms: float = 2.0,
         max_queue: int = 100_000,
+        max_batch_tokens: int | None = None,
         window: int = 1024,
+        on_queue_wait: QueueWaitObserver | None = None,
     ) -> None:
         if max_batch_size < 1 or max_queue < 1 or window < 1 or max_delay_ms < 0:
             raise ValueError("max_batch_size, max_queue, window >= 1 and max_delay_ms >= 0")
+        if max_batch_tokens is not None and max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be positive or None, got {max_batch_tokens}")
         self.engine = engine
         self.max_batch_size = max_batch_size
         self.max_delay_s = max_delay_ms / 1000
         self.max_queue = max_queue
+        self.max_batch_tokens = max_batch_tokens
+        self.on_queue_wait = on_queue_wait
         self._lanes: dict[str, deque[_Request]] = {lane: deque() for lane in LANES}
         self._queued = 0  # items waiting in the lanes (not yet in a batch, not dropped)
         self._lane_waiting = dict.fromkeys(LANES, 0)  # the same, per lane
@@ -124,6 +188,8 @@ class Batcher:
         self._ok_items = 0
         self._engine_ms = 0.0
         self._batch_ms: deque[float] = deque(maxlen=window)
+        self._wait_ms: deque[float] = deque(maxlen=window)
+        self._expired_items = 0
         self._last_error: str | None = None
         self._last_batch_failed = False
 
@@ -171,8 +237,23 @@ class Batcher:
 
     @property
     def healthy(self) -> bool:
-        """Running, and the most recent batch did not fail (a later success restores it)."""
-        return self.running and not self._last_batch_failed
+        """Running, the engine says ok, and the most recent batch did not fail (a later
+        success restores it)."""
+        return self.engine_health().healthy
+
+    def engine_health(self) -> EngineHealth:
+        """Healthy, or the reason not; ``serving`` from the engine's own health when it
+        judges it (``FallbackEngine``), else ``primary`` while running."""
+        if not self.running:
+            state = "not started" if self._worker is None else "stopped"
+            return EngineHealth(False, f"batcher {'closed' if self._closed else state}", "none")
+        health = self.engine.health()
+        serving = str(health.get("serving", "primary"))
+        if not health.get("ok", True):
+            return EngineHealth(False, str(health.get("reason") or "engine not ok"), serving)
+        if self._last_batch_failed:
+            return EngineHealth(False, f"engine failing: {self._last_error}", serving)
+        return EngineHealth(True, None, serving)
 
     @property
     def queued(self) -> int:
@@ -184,40 +265,53 @@ class Batcher:
         """Mean engine time per text so far; the cache prices an avoided call with it."""
         return self._engine_ms / self._ok_items if self._ok_items else 0.0
 
-    async def submit(self, texts: Sequence[str], lane: str = "dispatch") -> Vectors:
+    async def submit(
+        self, texts: Sequence[str], lane: str = "dispatch", deadline: float | None = None
+    ) -> Vectors:
         """The ``(len(texts), dim)`` float32 vectors of ``texts``, in input order.
 
-        Raises ``QueueFullError`` at once (nothing queued) when the queue cannot take all of
-        ``texts``, ``EngineError`` when the batch failed or the batcher is closed or not
-        started, ``ValueError`` for an unknown lane.
+        ``deadline`` is a ``time.monotonic()`` instant (None: wait as long as it takes; see
+        ``deadline_after``). Raises ``QueueFullError`` at once (nothing queued) when the
+        queue cannot take all of ``texts``; ``DeadlineExceededError`` when the deadline
+        passes before all of ``texts`` reached the engine; ``EngineUnavailableError`` at once
+        while the engine's health says nothing can serve; ``EngineError`` when the batch
+        failed or the batcher is closed or not started; ``ValueError`` for an unknown lane.
         """
         if lane not in self._lanes:
             raise ValueError(f"unknown lane {lane!r}; lanes: {', '.join(LANES)}")
+        health = self.engine_health()
         if not self.running:
-            if self._worker is None:
-                raise EngineError("batcher not started")
-            raise EngineError("batcher closed" if self._closed else "batcher stopped")
+            raise EngineError(str(health.reason))
+        if health.serving == "none":
+            raise EngineUnavailableError(f"no engine can serve: {health.reason}")
         if not texts:
             return np.empty((0, self.engine.dim), dtype=np.float32)
+        if deadline is not None and deadline <= time.monotonic():
+            raise DeadlineExceededError(f"deadline passed before {len(texts)} texts were queued")
         if self._queued + len(texts) > self.max_queue:
             raise QueueFullError(
                 f"batcher queue full: {self._queued} items waiting, {len(texts)} more "
                 f"would exceed max_queue={self.max_queue}"
             )
-        future = asyncio.get_running_loop().create_future()
-        request = _Request(list(texts), future, self.engine.dim, lane)
+        loop = asyncio.get_running_loop()
+        request = _Request(list(texts), loop.create_future(), self.engine.dim, lane, deadline)
         self._lanes[lane].append(request)
         self._queued += len(texts)
         self._lane_waiting[lane] += len(texts)
         self._wakeup.set()
+        timer = None
+        if deadline is not None:
+            timer = loop.call_later(deadline - time.monotonic(), self._expire, request)
         try:
             return await request.future
         finally:
             self._drop(request)  # cancelled or failed: what is still queued never runs
+            if timer is not None:
+                timer.cancel()
 
     def stats(self) -> InferenceStats:
-        durations = list(self._batch_ms)  # a snapshot, in case another thread reads stats
-        p50, p99 = np.percentile(durations, [50, 99]) if durations else (0.0, 0.0)
+        p50, p99 = _percentiles(self._batch_ms)
+        wait_p50, wait_p99 = _percentiles(self._wait_ms)
         return InferenceStats(
             items=self._items,
             batches=self._batches,
@@ -227,6 +321,9 @@ class Batcher:
             p99_batch_ms=float(p99),
             last_error=self._last_error,
             failed_batches=self._failed_batches,
+            expired_items=self._expired_items,
+            queue_wait_p50_ms=wait_p50,
+            queue_wait_p99_ms=wait_p99,
         )
 
     # -- the worker (event loop) -----------------------------------------------------------
@@ -330,8 +427,12 @@ class Batcher:
         return [text for request, start, stop in batch for text in request.texts[start:stop]]
 
     async def _run_batch(self, batch: list[_Slice], tokens: Batch | None = None) -> None:
+        now = time.monotonic()
+        for request, _, _ in batch:
+            if request.deadline is not None and request.deadline <= now:
+                self._expire(request)  # its timer has not run yet: the engine must not see it
         live = [item for item in batch if not item[0].future.done()]
-        if len(live) < len(batch):  # a caller went away after its batch was tokenized
+        if len(live) < len(batch):  # a caller went away (or expired) after tokenize-ahead
             batch, tokens = live, None
         if not batch:
             return
@@ -339,9 +440,12 @@ class Batcher:
         self._in_flight = [request for request, _, _ in batch]
         self._items += len(texts)
         self._batches += 1
+        for request, start, stop in batch:
+            request.sent += stop - start
+            self._observe_wait(request.lane, now - request.submitted)
         loop = asyncio.get_running_loop()
         try:
-            vectors, elapsed_ms = await loop.run_in_executor(
+            vectors, durations = await loop.run_in_executor(
                 self._executor, self._embed, texts, tokens
             )
         except Exception as exc:
@@ -351,15 +455,19 @@ class Batcher:
                 error = EngineError(f"engine failed: {exc!r}")
                 error.__cause__ = exc
             self._failed_batches += 1
-            self._last_batch_failed = True
+            # An engine that declines (EngineUnavailableError) reports why, and when it is
+            # back, in its own health(); only a real failure marks the batcher unhealthy.
+            if not isinstance(exc, EngineUnavailableError):
+                self._last_batch_failed = True
             self._last_error = f"{type(exc).__name__}: {exc}"
             logger.warning("batch of %d texts failed: %s", len(texts), self._last_error)
             self._fail(self._in_flight, error)
             self._in_flight = []
             return
+        self._batches += len(durations) - 1  # one per forward when the token budget split it
         self._ok_items += len(texts)
-        self._engine_ms += elapsed_ms
-        self._batch_ms.append(elapsed_ms)
+        self._engine_ms += sum(durations)
+        self._batch_ms.extend(durations)
         self._last_batch_failed = False
         offset = 0
         for request, start, stop in batch:
@@ -371,16 +479,28 @@ class Batcher:
             offset += stop - start
         self._in_flight = []
 
-    def _embed(self, texts: list[str], tokens: Batch | None) -> tuple[Vectors, float]:
-        """Runs on the engine thread; tokenizes here unless the batch was tokenized ahead."""
+    def _embed(self, texts: list[str], tokens: Batch | None) -> tuple[Vectors, list[float]]:
+        """Runs on the engine thread; tokenizes here unless the batch was tokenized ahead.
+        Over the token budget, runs contiguous groups within it. Returns the vectors and
+        each forward's milliseconds (tokenization included)."""
         started = time.perf_counter()
         engine = self.engine
         batch = engine.tokenize(texts) if tokens is None else tokens
-        vectors = engine.postprocess(engine.forward(batch), batch)
-        elapsed_ms = (time.perf_counter() - started) * 1000
+        lengths = batch.seq_lengths
+        if lengths is None:  # unknown: assume every text is as long as the engine allows
+            lengths = np.full(len(texts), engine.info.max_seq_length, dtype=np.int64)
+        groups = budget_groups(lengths, self.max_batch_tokens)
+        parts, durations = [], []
+        for start, stop in groups:
+            if len(groups) > 1:
+                started = time.perf_counter()
+                batch = engine.tokenize(texts[start:stop])
+            parts.append(engine.postprocess(engine.forward(batch), batch))
+            durations.append((time.perf_counter() - started) * 1000)
+        vectors = parts[0] if len(parts) == 1 else np.concatenate(parts)
         if vectors.shape != (len(texts), self.engine.dim):
             raise EngineError(f"engine returned shape {vectors.shape} for {len(texts)} texts")
-        return vectors, elapsed_ms
+        return vectors, durations
 
     # -- bookkeeping -----------------------------------------------------------------------
 
@@ -389,6 +509,29 @@ class Batcher:
         self._queued -= request.waiting
         self._lane_waiting[request.lane] -= request.waiting
         request.taken = len(request.texts)
+
+    def _expire(self, request: _Request) -> None:
+        """Fail ``request`` if its deadline passed before all its items reached the engine."""
+        if request.future.done() or request.sent == len(request.texts):
+            return
+        dropped = len(request.texts) - request.sent
+        self._expired_items += dropped
+        self._drop(request)
+        waited_ms = (time.monotonic() - request.submitted) * 1000
+        request.future.set_exception(
+            DeadlineExceededError(
+                f"{dropped} of {len(request.texts)} texts were still queued in the "
+                f"{request.lane} lane at their deadline ({waited_ms:.0f} ms after submit)"
+            )
+        )
+
+    def _observe_wait(self, lane: str, seconds: float) -> None:
+        self._wait_ms.append(seconds * 1000)
+        if self.on_queue_wait is not None:
+            try:
+                self.on_queue_wait(lane, seconds)
+            except Exception:  # a metrics bug must not fail the batch
+                logger.exception("on_queue_wait observer failed")
 
     def _fail(self, requests: list[_Request], error: EngineError) -> None:
         for request in requests:
@@ -401,3 +544,33 @@ class Batcher:
                 request = queue.popleft()
                 self._drop(request)
                 self._fail([request], error)
+
+
+def deadline_after(ms: float | None) -> float | None:
+    """The ``submit`` deadline ``ms`` milliseconds from now (None stays None)."""
+    return None if ms is None else time.monotonic() + ms / 1000
+
+
+def budget_groups(lengths: npt.NDArray[np.int64], budget: int | None) -> list[tuple[int, int]]:
+    """Contiguous ``(start, stop)`` groups of texts, each costing at most ``budget`` (group
+    size x its longest padded length); a text over the budget on its own is a group alone."""
+    size = len(lengths)
+    if budget is None or size * int(lengths.max(initial=0)) <= budget:
+        return [(0, size)]
+    groups, start, longest = [], 0, 0
+    for index, length in enumerate(lengths.tolist()):
+        longest = max(longest, length)
+        if index > start and (index - start + 1) * longest > budget:
+            groups.append((start, index))
+            start, longest = index, length
+    groups.append((start, size))
+    return groups
+
+
+def _percentiles(values: deque[float]) -> tuple[float, float]:
+    """p50 and p99 of a snapshot of ``values`` (0.0 when empty)."""
+    snapshot = list(values)  # another thread may read stats while the loop appends
+    if not snapshot:
+        return 0.0, 0.0
+    p50, p99 = np.percentile(snapshot, [50, 99])
+    return float(p50), float(p99)

@@ -91,6 +91,7 @@ class OnnxRuntimeEngine(Engine):
             size=tokens.size,
             tokens=tokens.tokens,
             data={"input_ids": tokens.input_ids, "attention_mask": tokens.attention_mask},
+            seq_lengths=tokens.lengths,  # padded to the longest text, no buckets
         )
 
     def forward(self, batch: Batch) -> Any:

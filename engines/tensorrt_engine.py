@@ -44,7 +44,7 @@ from engines.base import (
     Vectors,
     make_fingerprint,
 )
-from engines.tokenization import FastTokenizer, bucket_for, seq_buckets_for
+from engines.tokenization import FastTokenizer, bucket_for, chunked_batch, seq_buckets_for
 from engines.torch_engine import resolve_model_dir, sentence_model_info
 
 logger = logging.getLogger(__name__)
@@ -236,14 +236,14 @@ class TensorRTEngine(Engine):
     def tokenize(self, texts: Sequence[str]) -> Batch:
         if self._tokenizer is None:
             raise EngineUnavailableError("TensorRTEngine.load() has not been called")
-        largest, chunks, tokens = self.batch_buckets[-1], [], 0
-        for start in range(0, len(texts), largest):
-            encoded = self._tokenizer.encode(
+        largest = self.batch_buckets[-1]
+        chunks = [
+            self._tokenizer.encode(
                 texts[start : start + largest], self.batch_buckets, self.seq_buckets
             )
-            chunks.append(encoded)
-            tokens += encoded.tokens
-        return Batch(size=len(texts), tokens=tokens, data={"chunks": chunks})
+            for start in range(0, len(texts), largest)
+        ]
+        return chunked_batch(len(texts), chunks, self.seq_buckets, {"chunks": chunks})
 
     def forward(self, batch: Batch, worker: int = 0) -> Vectors:
         if not self._executors:

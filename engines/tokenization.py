@@ -14,11 +14,12 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from engines.base import EngineUnavailableError
+from engines.base import Batch, EngineUnavailableError
 
 IntArray = npt.NDArray[np.int64]
 
@@ -36,6 +37,12 @@ def bucket_for(size: int, buckets: Sequence[int]) -> int:
     raise ValueError(f"{size} exceeds the largest bucket {buckets[-1]}")
 
 
+def bucket_lengths(lengths: IntArray, buckets: Sequence[int]) -> IntArray:
+    """Each length rounded up to its bucket (lengths never exceed the last bucket)."""
+    table = np.asarray(buckets, dtype=np.int64)
+    return table[np.minimum(np.searchsorted(table, lengths), len(table) - 1)]
+
+
 def seq_buckets_for(
     max_seq_length: int, buckets: Sequence[int] = DEFAULT_SEQ_BUCKETS
 ) -> tuple[int, ...]:
@@ -50,8 +57,9 @@ class Tokens:
     input_ids: IntArray  # (rows, cols) int64
     attention_mask: IntArray  # (rows, cols) int64, 1 for real tokens
     size: int  # real texts
-    tokens: int  # real tokens, for token budgets
+    tokens: int  # real tokens
     longest: int  # real length of the longest text
+    lengths: IntArray  # (size,) real length of each text
 
 
 class FastTokenizer:
@@ -97,4 +105,17 @@ class FastTokenizer:
             input_ids[row, : lengths[row]] = encoding.ids
         attention_mask = np.zeros((rows, cols), dtype=np.int64)
         attention_mask[:size] = np.arange(cols) < lengths[:, None]
-        return Tokens(input_ids, attention_mask, size, int(lengths.sum()), longest)
+        return Tokens(input_ids, attention_mask, size, int(lengths.sum()), longest, lengths)
+
+
+def chunked_batch(
+    size: int, chunks: Sequence[Tokens], seq_buckets: Sequence[int], data: dict[str, Any]
+) -> Batch:
+    """The ``Batch`` of texts tokenized in bucket-padded ``chunks`` (fixed-shape engines)."""
+    lengths = np.concatenate([chunk.lengths for chunk in chunks]) if chunks else np.empty(0)
+    return Batch(
+        size=size,
+        tokens=sum(chunk.tokens for chunk in chunks),
+        data=data,
+        seq_lengths=bucket_lengths(lengths.astype(np.int64), seq_buckets),
+    )

@@ -40,6 +40,7 @@ from engines.tokenization import (
     DEFAULT_BATCH_BUCKETS,
     DEFAULT_SEQ_BUCKETS,
     FastTokenizer,
+    chunked_batch,
     seq_buckets_for,
 )
 
@@ -247,24 +248,26 @@ class TorchEngine(Engine):
         # Same call encode() makes: pads to the longest text, truncates at max_seq_length.
         with self._tokenizer_lock:  # HF fast tokenizers raise "Already borrowed" if shared
             features = self._preprocess(list(texts))
+        lengths = features["attention_mask"].sum(dim=1).numpy() if texts else np.empty(0)
         return Batch(
             size=len(texts),
-            tokens=int(features["attention_mask"].sum()) if texts else 0,
+            tokens=int(lengths.sum()),
             data=features,
+            seq_lengths=lengths.astype(np.int64),  # padded to the longest text, no buckets
         )
 
     def _tokenize_static(self, texts: Sequence[str]) -> Batch:
         assert self._fast is not None
         largest = self.batch_buckets[-1]
-        chunks, tokens = [], 0
+        chunks, encoded = [], []
         for start in range(0, len(texts), largest):
-            encoded = self._fast.encode(
+            tokens = self._fast.encode(
                 texts[start : start + largest], self.batch_buckets, self.seq_buckets
             )
-            ids, mask = self._runner.prepare(encoded.input_ids, encoded.attention_mask)
-            chunks.append((ids, mask, encoded.size))
-            tokens += encoded.tokens
-        return Batch(size=len(texts), tokens=tokens, data={"chunks": chunks})
+            ids, mask = self._runner.prepare(tokens.input_ids, tokens.attention_mask)
+            chunks.append((ids, mask, tokens.size))
+            encoded.append(tokens)
+        return chunked_batch(len(texts), encoded, self.seq_buckets, {"chunks": chunks})
 
     def forward(self, batch: Batch) -> Any:
         import torch

@@ -14,6 +14,15 @@ from proxy.gpu_health import default_monitor
 from proxy.services import Services
 
 
+def readiness(services: Services) -> tuple[bool, str]:
+    """``Services.ready``, with the engine's own reason first (primary failed, p99 too high,
+    fallback serving): what ``/readyz`` answers and ``/v1/stats`` shows."""
+    health = services.batcher.engine_health()
+    if not health.healthy:
+        return False, str(health.reason)
+    return services.ready
+
+
 def inference_section(services: Services) -> dict[str, Any]:
     info = services.engine.info
     batcher = services.batcher.stats()
@@ -28,6 +37,10 @@ def inference_section(services: Services) -> dict[str, Any]:
         "failed_batches": batcher.failed_batches,
         "last_error": batcher.last_error,
         "healthy": services.batcher.healthy,
+        "engine_health": asdict(services.batcher.engine_health()),
+        "expired_items": batcher.expired_items,
+        "queue_wait_p50_ms": batcher.queue_wait_p50_ms,
+        "queue_wait_p99_ms": batcher.queue_wait_p99_ms,
         "engine": {
             "kind": info.kind,
             "device": info.device,
@@ -41,7 +54,7 @@ def inference_section(services: Services) -> dict[str, Any]:
 
 
 def build_stats(services: Services) -> dict[str, Any]:
-    ready, reason = services.ready
+    ready, reason = readiness(services)
     return {
         "uptime_s": time.monotonic() - services.started,
         "ready": ready,
@@ -58,6 +71,7 @@ def build_stats(services: Services) -> dict[str, Any]:
             "store": services.settings.store,
             "max_batch_size": services.settings.max_batch_size,
             "max_delay_ms": services.settings.max_delay_ms,
+            "max_batch_tokens": services.settings.max_batch_tokens,
         },
     }
 

@@ -9,14 +9,15 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 import numpy as np
 import pytest
 
-from engines.base import Batch, EngineError, QueueFullError, Vectors
-from engines.batcher import Batcher
+from engines.base import Batch, DeadlineExceededError, EngineError, QueueFullError, Vectors
+from engines.batcher import Batcher, deadline_after
 from engines.fake import FakeEngine
 
 
@@ -380,19 +381,203 @@ def test_full_dispatch_batch_is_tokenized_ahead_while_the_engine_is_busy() -> No
     run(test)
 
 
-def test_request_cancelled_after_tokenize_ahead_never_reaches_the_engine() -> None:
+@pytest.mark.parametrize("drop", ["cancelled", "expired"])
+def test_request_dropped_after_tokenize_ahead_never_reaches_the_engine(drop: str) -> None:
     async def test() -> None:
         engine = ThreadRecordingEngine(hold=True)
         async with Batcher(engine, max_batch_size=2) as batcher:
             first = spawn(batcher.submit(["first"]))
             await engine_busy(engine)
-            doomed = spawn(batcher.submit(["doomed"]))
+            deadline = deadline_after(20) if drop == "expired" else None
+            doomed = spawn(batcher.submit(["doomed"], deadline=deadline))
             kept = spawn(batcher.submit(["kept"]))
-            await until(lambda: len(engine.tokenized_on) == 2)
-            doomed.cancel()
+            await until(lambda: len(engine.tokenized_on) == 2)  # both tokenized ahead
+            if drop == "cancelled":
+                doomed.cancel()
+            with pytest.raises(
+                asyncio.CancelledError if deadline is None else DeadlineExceededError
+            ):
+                await doomed
             engine.release()
             np.testing.assert_array_equal(await kept, engine.expected(["kept"]))
             await first
         assert engine.batches == [["first"], ["kept"]]
+
+    run(test)
+
+
+# -- per-item deadlines ------------------------------------------------------------------------
+
+
+def test_expired_items_fail_at_their_deadline_and_never_reach_the_engine() -> None:
+    async def test() -> None:
+        engine = RecordingEngine(hold=True)
+        async with Batcher(engine) as batcher:
+            first = spawn(batcher.submit(["first"]))
+            await engine_busy(engine)
+            doomed = spawn(batcher.submit(["late-1", "late-2"], deadline=deadline_after(20)))
+            kept = spawn(batcher.submit(["kept"], deadline=deadline_after(60_000)))
+            with pytest.raises(DeadlineExceededError, match="2 of 2 texts"):
+                await doomed  # failed while the engine is still busy with "first"
+            assert batcher.queued == 1
+            engine.release()
+            np.testing.assert_array_equal(await kept, engine.expected(["kept"]))
+            await first
+            assert batcher.stats().expired_items == 2
+        assert engine.batches == [["first"], ["kept"]]
+        assert engine.items == batcher.stats().items == 2
+
+    run(test)
+
+
+def test_deadline_already_passed_fails_at_once_and_queues_nothing() -> None:
+    async def test() -> None:
+        engine = RecordingEngine()
+        async with Batcher(engine) as batcher:
+            with pytest.raises(DeadlineExceededError):
+                await batcher.submit(["x"], deadline=time.monotonic() - 1)
+            assert batcher.queued == 0
+            await batcher.submit(["y"], deadline=None)  # None: no deadline
+        assert engine.batches == [["y"]]
+
+    run(test)
+
+
+def test_expired_split_submission_drops_its_queued_slices() -> None:
+    async def test() -> None:
+        engine = RecordingEngine(hold=True)
+        async with Batcher(engine, max_batch_size=4) as batcher:
+            big = spawn(batcher.submit([f"t{i}" for i in range(6)], deadline=deadline_after(20)))
+            await engine_busy(engine)  # t0..t3 are in the engine, t4, t5 queued
+            with pytest.raises(DeadlineExceededError, match="2 of 6 texts"):
+                await big
+            assert batcher.queued == 0
+            engine.release()
+            np.testing.assert_array_equal(await batcher.submit(["next"]), engine.expected(["next"]))
+        assert engine.batches == [["t0", "t1", "t2", "t3"], ["next"]]
+
+    run(test)
+
+
+def test_items_already_in_the_engine_finish_after_their_deadline() -> None:
+    async def test() -> None:
+        engine = RecordingEngine(hold=True)
+        async with Batcher(engine) as batcher:
+            deadline = deadline_after(10)
+            inside = spawn(batcher.submit(["inside"], deadline=deadline))
+            await engine_busy(engine)
+            assert deadline is not None
+            await asyncio.sleep(deadline - time.monotonic() + 0.01)
+            assert time.monotonic() > deadline
+            engine.release()
+            np.testing.assert_array_equal(await inside, engine.expected(["inside"]))
+            assert batcher.stats().expired_items == 0
+
+    run(test)
+
+
+def test_lane_priority_and_queue_limit_hold_with_deadlines() -> None:
+    async def test() -> None:
+        engine = RecordingEngine(hold=True)
+        async with Batcher(engine, max_batch_size=3, max_queue=4) as batcher:
+            first = spawn(batcher.submit(["first"]))
+            await engine_busy(engine)
+            warm = spawn(
+                batcher.submit(["w1", "w2"], lane="warmup", deadline=deadline_after(60_000))
+            )
+            d1 = spawn(batcher.submit(["d1", "d2"], deadline=deadline_after(60_000)))
+            await until(lambda: batcher.queued == 4)
+            with pytest.raises(QueueFullError):
+                await batcher.submit(["over"], deadline=deadline_after(60_000))
+            engine.release()
+            await asyncio.gather(first, warm, d1)
+        assert engine.batches == [["first"], ["d1", "d2", "w1"], ["w2"]]
+
+    run(test)
+
+
+# -- token budget ------------------------------------------------------------------------------
+
+
+def batch_cost(texts: list[str]) -> int:
+    """What the fake engine's batch costs: size x the longest text in words (at least 1)."""
+    return len(texts) * max(max(len(text.split()), 1) for text in texts)
+
+
+def test_no_forward_exceeds_the_token_budget_and_a_long_text_goes_alone() -> None:
+    async def test() -> None:
+        engine = RecordingEngine()
+        long = " ".join(f"w{i}" for i in range(20))
+        texts = ["a b c", "d e f", "g h i", "j k l", "m n o", long, "p q"]
+        async with Batcher(engine, max_batch_size=16, max_batch_tokens=12) as batcher:
+            vectors = await batcher.submit(texts)
+            stats = batcher.stats()
+        assert engine.batches == [["a b c", "d e f", "g h i", "j k l"], ["m n o"], [long], ["p q"]]
+        assert all(batch_cost(batch) <= 12 for batch in engine.batches if batch != [long])
+        np.testing.assert_array_equal(vectors, engine.expected(texts))
+        assert stats.batches == engine.calls == 4
+        assert stats.items == engine.items == len(texts)
+
+    run(test)
+
+
+def test_concurrent_submissions_respect_the_token_budget() -> None:
+    async def test() -> None:
+        rng = random.Random(3)
+        engine = RecordingEngine()
+        requests = [
+            [" ".join(["x"] * rng.randint(1, 9)) + f" r{i}-{j}" for j in range(rng.randint(1, 6))]
+            for i in range(40)
+        ]
+        async with Batcher(engine, max_batch_size=16, max_batch_tokens=40) as batcher:
+            results = await asyncio.gather(*(batcher.submit(texts) for texts in requests))
+        assert all(batch_cost(batch) <= 40 for batch in engine.batches)
+        for texts, vectors in zip(requests, results, strict=True):
+            np.testing.assert_array_equal(vectors, engine.expected(texts))
+
+    run(test)
+
+
+def test_a_batch_tokenized_ahead_respects_the_token_budget() -> None:
+    async def test() -> None:
+        engine = ThreadRecordingEngine(hold=True)
+        async with Batcher(engine, max_batch_size=4, max_batch_tokens=6) as batcher:
+            first = spawn(batcher.submit(["first"]))
+            await engine_busy(engine)
+            texts = ["a b c", "d e f", "g h i", "j k l"]  # 4 x 3 = 12 tokens: over the budget
+            full = spawn(batcher.submit(texts))
+            await until(lambda: len(engine.tokenized_on) == 2)  # tokenized ahead, whole
+            engine.release()
+            np.testing.assert_array_equal(await full, engine.expected(texts))
+            await first
+        assert engine.tokenized_on[1].startswith("tokenizer")
+        assert engine.batches == [["first"], ["a b c", "d e f"], ["g h i", "j k l"]]
+
+    run(test)
+
+
+# -- queue wait --------------------------------------------------------------------------------
+
+
+def test_queue_wait_is_observed_per_lane_from_submit_to_engine() -> None:
+    async def test() -> None:
+        engine = RecordingEngine(hold=True)
+        seen: list[tuple[str, float]] = []
+        batcher = Batcher(engine, on_queue_wait=lambda lane, s: seen.append((lane, s)))
+        async with batcher:
+            first = spawn(batcher.submit(["first"]))
+            await engine_busy(engine)
+            warm = spawn(batcher.submit(["w"], lane="warmup"))
+            await until(lambda: batcher.queued == 1)
+            held = time.monotonic()
+            await asyncio.sleep(0.05)  # "w" waits at least this long behind the held engine
+            engine.release()
+            await asyncio.gather(first, warm)
+            held_s = time.monotonic() - held
+            stats = batcher.stats()
+        assert [lane for lane, _ in seen] == ["dispatch", "warmup"]
+        assert seen[1][1] >= 0.05
+        assert 0.0 <= seen[0][1] < held_s <= seen[1][1] + held_s
+        assert stats.queue_wait_p99_ms >= 50.0
 
     run(test)

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from engines.base import EngineError, EngineUnavailableError
+from engines.base import Batch, Engine, EngineError, EngineUnavailableError, Vectors
+from engines.batcher import Batcher
 from engines.fake import FakeEngine
 from engines.registry import create_engine, engine_kinds
+from engines.tokenization import FastTokenizer, bucket_lengths
 from engines.torch_engine import TorchEngine, default_model_path, model_files_digest
 
 # -- FakeEngine ------------------------------------------------------------------------------
@@ -65,6 +70,25 @@ def test_fake_fail_on_raises_engine_error_and_still_counts() -> None:
         engine.embed(["fine", "a boom here"])
     assert engine.embed(["fine"]).shape == (1, 8)
     assert (engine.calls, engine.items) == (2, 3)
+
+
+def test_fake_sequence_lengths_are_words_at_least_one() -> None:
+    batch = FakeEngine(dim=8).tokenize(["a b", "", "x y z"])
+    assert batch.seq_lengths is not None
+    assert batch.seq_lengths.tolist() == [2, 1, 3]
+    assert batch.tokens == 5
+
+
+def test_bucket_lengths_round_up_to_the_sequence_bucket() -> None:
+    lengths = np.array([1, 16, 17, 64, 65, 256], dtype=np.int64)
+    assert bucket_lengths(lengths, (16, 64, 256)).tolist() == [16, 16, 64, 64, 256, 256]
+
+
+def test_fast_tokenizer_reports_each_texts_truncated_length() -> None:
+    tokenizer = FastTokenizer(default_model_path(), 32)
+    tokens = tokenizer.encode(["a b c", "word " * 100, "d"], seq_buckets=(8, 32))
+    assert tokens.lengths.tolist() == [5, 32, 3]  # [CLS] ... [SEP], truncated at 32
+    assert tokens.lengths.tolist() == tokens.attention_mask.sum(axis=1).tolist()
 
 
 def test_fake_rejects_bad_dim() -> None:
@@ -220,3 +244,55 @@ def test_torch_loaded_info_health_and_tokens(torch_engine: TorchEngine) -> None:
     assert batch.size == 2
     assert batch.tokens <= 2 * 256
     assert torch_engine.embed([]).shape == (0, 384)
+
+
+class ShapeRecorder(Engine):
+    """Runs ``inner`` and records each forward's size and padded sequence length."""
+
+    def __init__(self, inner: Engine) -> None:
+        self.inner = inner
+        self.info = inner.info
+        self.shapes: list[tuple[int, int]] = []
+
+    def tokenize(self, texts: Sequence[str]) -> Batch:
+        return self.inner.tokenize(texts)
+
+    def forward(self, batch: Batch) -> Any:
+        assert batch.seq_lengths is not None
+        self.shapes.append((batch.size, int(batch.seq_lengths.max())))
+        return self.inner.forward(batch)
+
+    def postprocess(self, output: Any, batch: Batch) -> Vectors:
+        return self.inner.postprocess(output, batch)
+
+
+@pytest.mark.model
+def test_torch_sequence_lengths_follow_the_tokenizer(torch_engine: TorchEngine) -> None:
+    batch = torch_engine.tokenize(["one two", "long " * 400, ""])
+    assert batch.seq_lengths is not None
+    assert batch.seq_lengths.tolist() == batch.data["attention_mask"].sum(dim=1).tolist()
+    assert batch.seq_lengths.tolist()[1:] == [256, 2]
+    static = TorchEngine(static_shapes=True, batch_buckets=(1, 8), seq_buckets=(16,))
+    static.load()
+    bucketed = static.tokenize(["one two", "long " * 400, ""])
+    assert bucketed.seq_lengths is not None
+    assert bucketed.seq_lengths.tolist() == [16, 256, 16]
+
+
+@pytest.mark.model
+def test_torch_through_the_batcher_keeps_each_forward_within_the_token_budget(
+    torch_engine: TorchEngine,
+) -> None:
+    recorder = ShapeRecorder(torch_engine)
+    texts = PARITY_TEXTS[:20]  # two texts of 256 tokens (over the budget) among them
+
+    async def submit_all() -> list[Vectors]:
+        async with Batcher(recorder, max_batch_size=64, max_batch_tokens=200) as batcher:
+            return await asyncio.gather(*(batcher.submit([text]) for text in texts))
+
+    vectors = np.concatenate(asyncio.run(submit_all()))
+    assert len(recorder.shapes) > 2
+    assert all(size * length <= 200 for size, length in recorder.shapes if size > 1)
+    assert [shape for shape in recorder.shapes if shape[1] > 200] == [(1, 256), (1, 256)]
+    alone = np.concatenate([torch_engine.embed([text]) for text in texts])
+    assert np.sum(vectors * alone, axis=1).min() >= 0.9999

@@ -1,0 +1,217 @@
+"""A primary engine watched for failures and slowness, with an optional same-fingerprint stand-in.
+
+States of the primary::
+
+    healthy --- a batch raises, or the p99 of its last ``window`` batch times
+       ^        exceeds ``max_batch_p99_ms`` (``min_batches`` at least) -----> unhealthy
+       |                                                                          |
+       +--- a probe (``probe_texts`` on the primary, within the limit) succeeds --+
+            probes run on a timer thread after ``backoff_s``, doubling up to
+            ``max_backoff_s`` while they fail: recovery needs no traffic (while
+            /readyz is 503 a load balancer sends none)
+
+While the primary is unhealthy, batches go to ``fallback`` when there is one, else they are
+refused with ``EngineUnavailableError`` (and ``health()["serving"]`` is ``none``, so the batcher
+refuses submissions at once). Cache hits never reach an engine and are served throughout.
+
+A fallback is accepted only when its fingerprint equals the primary's: its vectors then
+belong to the same cache namespace. A different fingerprint is refused at construction with
+``ValueError`` (a configuration error, reported at start-up, never a silent downgrade).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from engines.base import Batch, Engine, EngineError, EngineUnavailableError, Vectors
+
+logger = logging.getLogger(__name__)
+
+PROBE_TEXTS = ("fleetcache health probe",) * 8
+
+
+class FallbackEngine(Engine):
+    """``primary`` while it is healthy, then ``fallback`` (or nothing) until a probe succeeds."""
+
+    def __init__(
+        self,
+        primary: Engine,
+        fallback: Engine | None = None,
+        *,
+        max_batch_p99_ms: float | None = None,
+        window: int = 100,
+        min_batches: int = 20,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 30.0,
+        probe_texts: Sequence[str] = PROBE_TEXTS,
+    ) -> None:
+        if fallback is not None and fallback.fingerprint != primary.fingerprint:
+            raise ValueError(
+                f"fallback engine {fallback.info.kind!r} ({fallback.info.precision}) has "
+                f"fingerprint {fallback.fingerprint}, the primary {primary.info.kind!r} "
+                f"({primary.info.precision}) has {primary.fingerprint}: its vectors would not "
+                "match the cache namespace. Configure a fallback of the same model, kind and "
+                "precision, or none."
+            )
+        if not 1 <= min_batches <= window or backoff_s <= 0 or max_backoff_s < backoff_s:
+            raise ValueError("need 1 <= min_batches <= window and 0 < backoff_s <= max_backoff_s")
+        self.primary = primary
+        self.fallback = fallback
+        self.info = primary.info
+        self.max_batch_p99_ms = max_batch_p99_ms
+        self.min_batches = min_batches
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.probe_texts = list(probe_texts)
+        self._batch_ms: deque[float] = deque(maxlen=window)
+        self._state = threading.Lock()  # health fields: engine thread, probe timer, readers
+        self._primary_lock = threading.Lock()  # the primary runs on one thread at a time
+        self._healthy = True
+        self._reason: str | None = None
+        self._retry_at: float | None = None
+        self._backoff = backoff_s
+        self._timer: threading.Timer | None = None
+        self._closed = False
+
+    # -- lifecycle (both engines) ----------------------------------------------------------
+
+    def load(self) -> None:
+        self.primary.load()
+        if self.fallback is not None:
+            self.fallback.load()
+        self.info = self.primary.info  # load may fill in the device
+
+    def warmup(self) -> None:
+        self.primary.warmup()
+        if self.fallback is not None:
+            self.fallback.warmup()
+
+    def close(self) -> None:
+        with self._state:
+            self._closed = True
+            if self._timer is not None:
+                self._timer.cancel()
+        with self._primary_lock:  # not in the middle of a probe
+            self.primary.close()
+        if self.fallback is not None:
+            self.fallback.close()
+
+    # -- the engine interface --------------------------------------------------------------
+
+    def tokenize(self, texts: Sequence[str]) -> Batch:
+        """Tokenized by the engine expected to run it; the other one tokenizes again."""
+        engine = self.primary if self._use_primary() or self.fallback is None else self.fallback
+        inner = engine.tokenize(texts)
+        data = {"engine": engine, "batch": inner, "texts": list(texts)}
+        return Batch(inner.size, inner.tokens, data, inner.seq_lengths)
+
+    def forward(self, batch: Batch) -> Vectors:
+        """Final vectors (postprocessed by the engine that ran them)."""
+        if self._use_primary():
+            started = time.perf_counter()
+            try:
+                with self._primary_lock:
+                    vectors = self._run(self.primary, batch)
+            except Exception as exc:
+                self._trip(f"primary engine failed: {type(exc).__name__}: {exc}")
+                if self.fallback is None:
+                    raise EngineUnavailableError(f"{self._reason}; no fallback") from exc
+            else:
+                self._record((time.perf_counter() - started) * 1000)
+                return vectors
+        if self.fallback is None:
+            raise EngineUnavailableError(f"primary engine unhealthy: {self._reason}")
+        return self._run(self.fallback, batch)
+
+    def postprocess(self, output: Any, batch: Batch) -> Vectors:
+        return np.ascontiguousarray(output, dtype=np.float32)
+
+    def health(self) -> dict[str, Any]:
+        with self._state:
+            healthy, reason, retry_at = self._healthy, self._reason, self._retry_at
+        serving = "primary" if healthy else "fallback" if self.fallback is not None else "none"
+        return {
+            "ok": healthy,
+            "reason": reason,
+            "serving": serving,
+            "retry_in_s": None if retry_at is None else max(0.0, retry_at - time.monotonic()),
+            "primary": self.primary.health(),
+            "fallback": None if self.fallback is None else self.fallback.health(),
+        }
+
+    # -- health ----------------------------------------------------------------------------
+
+    def _run(self, engine: Engine, batch: Batch) -> Vectors:
+        inner = batch.data["batch"]
+        if batch.data["engine"] is not engine:
+            inner = engine.tokenize(batch.data["texts"])
+        return engine.postprocess(engine.forward(inner), inner)
+
+    def _use_primary(self) -> bool:
+        with self._state:
+            return self._healthy
+
+    def _record(self, elapsed_ms: float) -> None:
+        """Track the primary's batch times; a p99 over the limit makes it unhealthy."""
+        limit = self.max_batch_p99_ms
+        self._batch_ms.append(elapsed_ms)
+        if limit is None or len(self._batch_ms) < self.min_batches:
+            return
+        p99 = float(np.percentile(list(self._batch_ms), 99))
+        if p99 > limit:
+            self._trip(
+                f"primary batch p99 {p99:.1f} ms over its last {len(self._batch_ms)} batches "
+                f"exceeds max_batch_p99_ms={limit:g}"
+            )
+
+    def _trip(self, reason: str) -> None:
+        with self._state:
+            if not self._healthy or self._closed:
+                return
+            self._healthy, self._reason = False, reason
+            self._batch_ms.clear()
+            self._schedule_probe()
+        logger.warning(
+            "primary engine unhealthy (%s); misses go to %s; retry in %.1f s",
+            reason,
+            "the fallback" if self.fallback is not None else "nothing (503)",
+            self._backoff,
+        )
+
+    def _schedule_probe(self) -> None:
+        """Called with ``_state`` held."""
+        self._retry_at = time.monotonic() + self._backoff
+        self._timer = threading.Timer(self._backoff, self._probe)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _probe(self) -> None:
+        """On the timer thread: embed ``probe_texts`` on the primary, within the limit."""
+        try:
+            started = time.perf_counter()
+            with self._primary_lock:
+                self.primary.embed(self.probe_texts)
+            elapsed_ms = (time.perf_counter() - started) * 1000
+            if self.max_batch_p99_ms is not None and elapsed_ms > self.max_batch_p99_ms:
+                raise EngineError(f"probe took {elapsed_ms:.1f} ms")
+        except Exception as exc:
+            with self._state:
+                if self._closed:
+                    return
+                self._backoff = min(self._backoff * 2, self.max_backoff_s)
+                self._schedule_probe()
+            logger.info(
+                "primary engine still unhealthy (%s); next retry in %.1f s", exc, self._backoff
+            )
+            return
+        with self._state:
+            self._healthy, self._reason, self._retry_at = True, None, None
+            self._backoff, self._timer = self.backoff_s, None
+        logger.warning("primary engine healthy again (probe took %.1f ms)", elapsed_ms)

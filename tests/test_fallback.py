@@ -1,0 +1,199 @@
+"""The primary engine's health and the same-fingerprint fallback, via the batcher and over HTTP.
+
+Engines here are fakes that a test breaks or slows down and repairs. Recovery is awaited by
+polling (bounded), never by asserting a duration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from engines.base import Batch, EngineError, EngineUnavailableError, Vectors
+from engines.batcher import Batcher
+from engines.fake import FakeEngine
+from engines.fallback import PROBE_TEXTS, FallbackEngine
+from tests.conftest import make_settings, open_client, wait_ready
+
+
+class FlakyEngine(FakeEngine):
+    """A fake that fails every batch while ``broken``; ``texts`` records what reached it."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(dim=8, **options)
+        self.broken = False
+        self.texts: list[str] = []
+        self._record = threading.Lock()
+
+    def forward(self, batch: Batch) -> Vectors:
+        with self._record:
+            self.texts.extend(batch.data["texts"])
+        if self.broken:
+            raise EngineError("device lost")
+        return super().forward(batch)
+
+    def misses_seen(self) -> list[str]:
+        """What reached the engine apart from health probes."""
+        with self._record:
+            return [text for text in self.texts if text not in PROBE_TEXTS]
+
+
+def poll(condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition never became true")
+        time.sleep(0.01)
+
+
+async def apoll(condition: Callable[[], bool]) -> None:
+    await asyncio.to_thread(poll, condition)
+
+
+def test_a_fallback_with_another_fingerprint_is_refused() -> None:
+    with pytest.raises(ValueError, match="fingerprint"):
+        FallbackEngine(FakeEngine(dim=8), FakeEngine(dim=16))
+    same = FallbackEngine(FakeEngine(dim=8), FakeEngine(dim=8))
+    assert same.fingerprint == FakeEngine(dim=8).fingerprint
+
+
+def test_engine_error_refuses_misses_until_a_probe_succeeds() -> None:
+    async def test() -> None:
+        primary = FlakyEngine()
+        engine = FallbackEngine(primary, backoff_s=0.05, max_backoff_s=0.1)
+        async with Batcher(engine) as batcher:
+            await batcher.submit(["before"])
+            primary.broken = True
+            with pytest.raises(EngineUnavailableError, match="device lost"):
+                await batcher.submit(["fails"])
+            health = batcher.engine_health()
+            assert (health.healthy, health.serving) == (False, "none")
+            assert health.reason is not None and "device lost" in health.reason
+            with pytest.raises(EngineUnavailableError, match="no engine can serve"):
+                await batcher.submit(["refused"])  # at once: never reaches the engine
+            assert "refused" not in primary.misses_seen()
+            await apoll(lambda: PROBE_TEXTS[0] in primary.texts)  # probes keep failing
+            assert not batcher.healthy
+            primary.broken = False
+            await apoll(lambda: batcher.healthy)
+            vectors = await batcher.submit(["after"])
+        assert primary.misses_seen() == ["before", "fails", "after"]
+        np.testing.assert_array_equal(vectors, FakeEngine(dim=8).embed(["after"]))
+        engine.close()
+
+    asyncio.run(test())
+
+
+def test_same_fingerprint_fallback_serves_misses_while_the_primary_is_down() -> None:
+    async def test() -> None:
+        primary, fallback = FlakyEngine(), FlakyEngine()
+        engine = FallbackEngine(primary, fallback, backoff_s=60, max_backoff_s=60)  # no probe
+        async with Batcher(engine) as batcher:
+            primary.broken = True
+            first = await batcher.submit(["a", "b"])  # the primary fails, the fallback serves
+            second = await batcher.submit(["c"])  # straight to the fallback
+            health = batcher.engine_health()
+        assert primary.misses_seen() == ["a", "b"]
+        assert fallback.misses_seen() == ["a", "b", "c"]
+        np.testing.assert_array_equal(first, fallback.embed(["a", "b"]))
+        np.testing.assert_array_equal(second, fallback.embed(["c"]))
+        assert (health.healthy, health.serving) == (False, "fallback")
+        engine.close()
+
+    asyncio.run(test())
+
+
+def test_batch_p99_over_the_limit_turns_unhealthy_until_the_primary_is_fast() -> None:
+    async def test() -> None:
+        primary, fallback = FakeEngine(dim=8, delay_s=0.03), FakeEngine(dim=8)
+        engine = FallbackEngine(
+            primary, fallback, max_batch_p99_ms=10, window=3, min_batches=3, backoff_s=0.05
+        )
+        async with Batcher(engine) as batcher:
+            for i in range(3):
+                assert batcher.healthy
+                await batcher.submit([f"slow {i}"])
+            health = batcher.engine_health()
+            assert (health.healthy, health.serving) == (False, "fallback")
+            assert health.reason is not None and "max_batch_p99_ms=10" in health.reason
+            served = fallback.calls
+            await batcher.submit(["served by the fallback"])
+            assert fallback.calls == served + 1
+            primary.delay_s = 0.0
+            await apoll(lambda: batcher.healthy)
+            calls = primary.calls
+            await batcher.submit(["back on the primary"])
+            assert primary.calls == calls + 1
+        engine.close()
+
+    asyncio.run(test())
+
+
+# -- over HTTP ---------------------------------------------------------------------------------
+
+
+def embed_status(client: TestClient, texts: list[str]) -> int:
+    return client.post("/v1/embeddings", json={"input": texts}).status_code
+
+
+def engine_health(client: TestClient) -> dict[str, Any]:
+    health: dict[str, Any] = client.get("/v1/stats").json()["inference"]["engine_health"]
+    return health
+
+
+def test_http_primary_failure_without_fallback(tmp_path: Path) -> None:
+    primary = FlakyEngine()
+    engine = FallbackEngine(primary, backoff_s=0.05, max_backoff_s=0.1)
+    with open_client(make_settings(tmp_path), engine) as client:
+        wait_ready(client)
+        assert engine_health(client) == {"healthy": True, "reason": None, "serving": "primary"}
+        assert embed_status(client, ["cached"]) == 200
+        primary.broken = True
+        failed = client.post("/v1/embeddings", json={"input": ["new-1"]})
+        assert failed.status_code == 503
+        assert "device lost" in failed.json()["error"]["message"]
+
+        ready = client.get("/readyz")
+        assert ready.status_code == 503
+        assert "primary engine failed" in ready.json()["error"]["message"]
+        health = engine_health(client)
+        assert (health["healthy"], health["serving"]) == (False, "none")
+        assert "device lost" in health["reason"]
+        stats = client.get("/v1/stats").json()
+        assert stats["ready"] is False and "device lost" in stats["status"]
+
+        assert embed_status(client, ["cached"]) == 200  # a hit never needs the engine
+        assert embed_status(client, ["new-2"]) == 503
+        assert primary.misses_seen().count("new-2") == 0
+
+        primary.broken = False
+        wait_ready(client, timeout=30)
+        assert embed_status(client, ["new-2"]) == 200
+        assert engine_health(client)["healthy"] is True
+
+
+def test_http_fallback_serves_misses_and_readyz_still_reports_the_primary(
+    tmp_path: Path,
+) -> None:
+    primary, fallback = FlakyEngine(), FlakyEngine()
+    engine = FallbackEngine(primary, fallback, backoff_s=60, max_backoff_s=60)
+    with open_client(make_settings(tmp_path), engine) as client:
+        wait_ready(client)
+        primary.broken = True
+        response = client.post("/v1/embeddings", json={"input": ["x", "y"]})
+        assert response.status_code == 200
+        vectors = np.array([row["embedding"] for row in response.json()["data"]])
+        np.testing.assert_allclose(vectors, fallback.embed(["x", "y"]), atol=1e-6)
+        assert embed_status(client, ["z"]) == 200
+        assert fallback.misses_seen()[-3:] == ["x", "y", "z"]
+        assert "z" not in primary.misses_seen()
+        assert client.get("/readyz").status_code == 503
+        assert engine_health(client)["serving"] == "fallback"
