@@ -13,7 +13,7 @@ Measures, all on the same synthetic fleet texts:
    at the batch size the batcher formed, and against one forward per text;
 4. with ``--http``: the full proxy (``fleetcache serve`` on loopback, this process as the
    load generator) on the same GPU: requests of 32 new texts (all misses) and of 32 cached
-   texts at 64 concurrent connections, against one forward per text.
+   texts at 64 concurrent connections from 4 client processes, against one forward per text.
 
 Writes ``gpu_bench.md`` and ``gpu_bench.json`` under ``--out``. Runs on the CPU with
 ``--quick`` (a smoke test of the script, not a measurement).
@@ -268,7 +268,10 @@ def main() -> None:
         engine.close()
     if args.http:
         say()
-        say("## full proxy over HTTP (fleetcache serve, torch engine, max_batch_size 256)")
+        say(
+            "## full proxy over HTTP (fleetcache serve, torch engine, max_batch_size 256; "
+            "64 connections from 4 load processes)"
+        )
         rows = http_run(args.model, device, texts, concurrency=64, requests=200 if cuda else 8)
         say("| requests of 32 texts | p50 ms | p99 ms | texts/s | vs one text per forward |")
         say("|---|---|---|---|---|")
@@ -296,7 +299,7 @@ def http_run(
 
     import httpx
 
-    from bench.http_bench import load, start_server
+    from bench.http_bench import load_processes, start_server
 
     size = 32
     fresh = [f"{t} #{i}" for i, t in enumerate(texts * (requests * size // len(texts) + 1))]
@@ -310,7 +313,7 @@ def http_run(
         )
         try:
             for kind, batches in (("all new (misses)", new), ("all cached (hits)", cached)):
-                latencies, rps = asyncio.run(load(url, batches, concurrency))
+                latencies, rps = load_processes(url, batches, concurrency, processes=4)
                 rows[kind] = {
                     "p50_ms": float(np.percentile(latencies, 50)),
                     "p99_ms": float(np.percentile(latencies, 99)),

@@ -1,4 +1,8 @@
-"""Typed dependencies: routes receive services through these aliases (STYLE.md rule 2)."""
+"""Typed dependencies: routes receive services through these aliases (STYLE.md rule 2).
+
+They are ``async def`` on purpose: FastAPI runs a plain ``def`` dependency in its thread pool,
+a thread hop per request that cost about 40% of a cached request's server time.
+"""
 
 from __future__ import annotations
 
@@ -18,14 +22,14 @@ def not_started_reason(request: Request) -> str:
     return str(request.app.state.startup_error or "the service is starting")
 
 
-def get_services(request: Request) -> Services:
+async def get_services(request: Request) -> Services:
     services: Services | None = request.app.state.services
     if services is None:
         raise APIError(503, not_started_reason(request), type="not_ready")
     return services
 
 
-def get_caller(x_caller: Annotated[str | None, Header()] = None) -> str:
+async def get_caller(x_caller: Annotated[str | None, Header()] = None) -> str:
     caller = (x_caller or "dispatch").strip().lower()
     if not _CALLER.match(caller):
         raise APIError(
