@@ -2,11 +2,13 @@
 
 ``CachedEmbedder`` (embedder.py) runs LangChain's ``CacheBackedEmbeddings`` over a
 ``TieredByteStore`` (stores.py: memory LRU -> LMDB | Redis) with the binary vector codec
-(codec.py), single-flight for identical texts in flight, and exact counters (stats.py).
+(codec.py), single-flight for identical texts in flight, and exact counters (stats.py);
+entity -> key links (links.py) and namespace pruning (prune.py).
 """
 
-from cache.codec import CorruptEntryError
+from cache.codec import CorruptEntryError, ExpiredEntryError
 from cache.embedder import CachedEmbedder, ComputeFn, EmbedResult
+from cache.links import Entity, EntityLinks
 from cache.stores import (
     CacheStore,
     LmdbByteStore,
@@ -22,6 +24,9 @@ __all__ = [
     "ComputeFn",
     "CorruptEntryError",
     "EmbedResult",
+    "Entity",
+    "EntityLinks",
+    "ExpiredEntryError",
     "LmdbByteStore",
     "MemoryByteStore",
     "RedisByteStore",

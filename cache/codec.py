@@ -1,22 +1,27 @@
 """Binary value format of one cached vector (never JSON).
 
-Layout, little-endian, a 12-byte header then the payload::
+Layout, little-endian: a header, then the payload. Version 1 (no expiry) has a 12-byte
+header; version 2 adds the expiry time, for entries written with a TTL::
 
     offset  size  field
     0       2     magic b"FV"
-    2       1     format version (1)
+    2       1     format version (1 or 2)
     3       1     dtype code: 1 = float32, 2 = float16
     4       4     dim (uint32)
-    8       4     crc32 of the payload (zlib.crc32)
-    12      n     payload: dim values of the dtype, little-endian
+    8       4     crc32 (zlib.crc32) of every byte after this field
+    12      8     version 2 only: expires_at, float64 seconds since the Unix epoch
+    12|20   n     payload: dim values of the dtype, little-endian
 
-A 384-d float32 vector is 12 + 1,536 = 1,548 bytes (float16: 780), against about 8,400 bytes
-for LangChain's default JSON.
+A 384-d float32 vector is 12 + 1,536 = 1,548 bytes (20 + 1,536 = 1,556 with an expiry;
+float16: 780 or 788), against about 8,400 bytes for LangChain's default JSON. ``encode``
+writes version 1 unless given ``expires_at``; ``decode`` reads both.
 
 ``decode`` raises :class:`CorruptEntryError` (a ``ValueError``) for anything it cannot trust:
 too short, wrong magic or version, unknown dtype, a length that does not match ``dim``, a CRC
-mismatch, or a ``dim`` other than ``expected_dim``. It never returns a partial vector. The
-cache layer turns that error into a miss (and overwrites the entry with the recomputed value).
+mismatch (the expiry is covered by it), or a ``dim`` other than ``expected_dim``. It never
+returns a partial vector. Given ``now``, it raises :class:`ExpiredEntryError` for a sound
+entry whose expiry is at or before ``now``. The cache turns either into a miss (and
+overwrites the entry with the recomputed value); only corruption counts as a store error.
 
 Decoded float32 vectors are read-only views over ``data`` (``np.frombuffer``, no copy); float16
 entries are widened to a new float32 array.
@@ -24,6 +29,7 @@ entries are widened to a new float32 array.
 
 from __future__ import annotations
 
+import math
 import struct
 import zlib
 from typing import Any, Literal, cast
@@ -32,9 +38,12 @@ import numpy as np
 import numpy.typing as npt
 
 MAGIC = b"FV"
-VERSION = 1
+VERSION = 1  # without an expiry
+VERSION_EXPIRING = 2  # with an expiry
 HEADER = struct.Struct("<2sBBII")
 HEADER_SIZE = HEADER.size  # 12
+EXPIRY = struct.Struct("<d")
+_HEADER_SIZES = {VERSION: HEADER_SIZE, VERSION_EXPIRING: HEADER_SIZE + EXPIRY.size}
 
 Dtype = Literal["float32", "float16"]
 _CODES: dict[str, tuple[int, np.dtype[Any]]] = {
@@ -48,13 +57,23 @@ class CorruptEntryError(ValueError):
     """A stored value cannot be decoded into a vector of the expected dimension."""
 
 
-def encoded_size(dim: int, dtype: Dtype = "float32") -> int:
+class ExpiredEntryError(Exception):
+    """A sound entry whose expiry time has passed (a miss, not a store error)."""
+
+
+def encoded_size(dim: int, dtype: Dtype = "float32", *, expiring: bool = False) -> int:
     """Bytes one encoded vector takes (header included)."""
-    return HEADER_SIZE + dim * _CODES[dtype][1].itemsize
+    header = _HEADER_SIZES[VERSION_EXPIRING if expiring else VERSION]
+    return header + dim * _CODES[dtype][1].itemsize
 
 
-def encode(vec: npt.ArrayLike, dtype: Dtype = "float32") -> bytes:
-    """Encode one 1-d vector; ``dtype`` is the stored precision (float16 halves the size)."""
+def encode(
+    vec: npt.ArrayLike, dtype: Dtype = "float32", *, expires_at: float | None = None
+) -> bytes:
+    """Encode one 1-d vector; ``dtype`` is the stored precision (float16 halves the size).
+
+    ``expires_at`` (seconds since the epoch, as ``time.time()``) writes a version-2 entry.
+    """
     try:
         code, np_dtype = _CODES[dtype]
     except KeyError:
@@ -63,29 +82,48 @@ def encode(vec: npt.ArrayLike, dtype: Dtype = "float32") -> bytes:
     if arr.ndim != 1:
         raise ValueError(f"expected a 1-d vector, got shape {arr.shape}")
     payload = np.ascontiguousarray(arr, dtype=np_dtype).tobytes()
-    return HEADER.pack(MAGIC, VERSION, code, arr.shape[0], zlib.crc32(payload)) + payload
+    if expires_at is None:
+        return HEADER.pack(MAGIC, VERSION, code, arr.shape[0], zlib.crc32(payload)) + payload
+    if not math.isfinite(expires_at):
+        raise ValueError(f"expires_at must be finite, got {expires_at}")
+    body = EXPIRY.pack(expires_at) + payload
+    return HEADER.pack(MAGIC, VERSION_EXPIRING, code, arr.shape[0], zlib.crc32(body)) + body
 
 
-def decode(data: bytes, expected_dim: int | None = None) -> npt.NDArray[np.float32]:
-    """Decode one entry to a float32 vector or raise :class:`CorruptEntryError`."""
+def expires_at(data: bytes) -> float | None:
+    """The expiry written in a version-2 entry; None for anything else (nothing checked)."""
+    if len(data) < HEADER_SIZE + EXPIRY.size or data[:2] != MAGIC or data[2] != VERSION_EXPIRING:
+        return None
+    return cast("float", EXPIRY.unpack_from(data, HEADER_SIZE)[0])
+
+
+def decode(
+    data: bytes, expected_dim: int | None = None, *, now: float | None = None
+) -> npt.NDArray[np.float32]:
+    """Decode one entry to a float32 vector, or raise :class:`CorruptEntryError` (or
+    :class:`ExpiredEntryError` when ``now`` is given and the entry expired)."""
     if len(data) < HEADER_SIZE:
         raise CorruptEntryError(f"entry too short ({len(data)} bytes)")
     magic, version, code, dim, crc = HEADER.unpack_from(data)
     if magic != MAGIC:
         raise CorruptEntryError("bad magic")
-    if version != VERSION:
+    header_size = _HEADER_SIZES.get(version)
+    if header_size is None:
         raise CorruptEntryError(f"unsupported format version {version}")
     np_dtype = _BY_CODE.get(code)
     if np_dtype is None:
         raise CorruptEntryError(f"unknown dtype code {code}")
     if expected_dim is not None and dim != expected_dim:
         raise CorruptEntryError(f"dim {dim}, expected {expected_dim}")
-    if len(data) != HEADER_SIZE + dim * np_dtype.itemsize:
+    if len(data) != header_size + dim * np_dtype.itemsize:
         raise CorruptEntryError(f"length {len(data)} does not match dim {dim}")
-    payload = memoryview(data)[HEADER_SIZE:]
-    if zlib.crc32(payload) != crc:
+    if zlib.crc32(memoryview(data)[HEADER_SIZE:]) != crc:
         raise CorruptEntryError("crc mismatch")
-    vec = np.frombuffer(data, dtype=np_dtype, offset=HEADER_SIZE)
+    if now is not None and version == VERSION_EXPIRING:
+        (expiry,) = EXPIRY.unpack_from(data, HEADER_SIZE)
+        if expiry <= now:
+            raise ExpiredEntryError(f"expired {now - expiry:.3f} s ago")
+    vec = np.frombuffer(data, dtype=np_dtype, offset=header_size)
     if vec.dtype != np.float32:  # float16, or float32 on a big-endian host
         return vec.astype(np.float32)
     return cast("npt.NDArray[np.float32]", vec)

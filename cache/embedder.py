@@ -9,11 +9,18 @@ Path of one call (``aembed``)::
         _SingleFlight.aembed_documents(the store misses only)
             text already in flight (another request, or earlier in this batch) -> coalesced
             otherwise -> miss; all new misses -> ONE compute(texts, lane) call
-        _VectorStore.amset     (write-back of the call's own misses: store tier, then memory)
+        _VectorStore.amset     (write-back of the call's own misses: store tier, then memory;
+                                each with its text's expiry when the call gave it a TTL)
+    aembed_entities: the same, then EntityLinks.relink (links.py) for the records' ids
 
 Counts of one call travel in a ``ContextVar`` (CacheBackedEmbeddings awaits the store and
 the underlying embedder directly, so the context is the call's own), which keeps them exact
 under any concurrency.
+
+Expiry: ``ttl_s`` writes version-2 codec entries carrying ``wall_clock() + ttl``; a read at
+or after that time is a miss (counted in ``expired_entries``, not as a store error) and the
+text is computed and written again. The call that computes a text writes it with its own
+TTL (a coalesced caller's TTL does not apply). Redis also expires such keys itself.
 
 Failure rules: a store that raises is absorbed (logged, counted in ``store_errors``); a
 compute error reaches every waiter of the texts of that compute call, coalesced ones
@@ -32,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
@@ -45,6 +52,7 @@ from langchain_core.embeddings import Embeddings
 from langchain_core.stores import BaseStore, ByteStore
 
 from cache import codec
+from cache.links import Entity, EntityLinks
 from cache.stats import CacheStats
 from cache.stores import CacheStore, ErrorLog, MemoryByteStore, TieredByteStore, log
 from engines.base import EngineError
@@ -53,7 +61,9 @@ Vectors = npt.NDArray[np.float32]
 Row = npt.NDArray[np.float32]
 ComputeFn = Callable[[Sequence[str], str], Awaitable[Vectors]]
 """``async compute(texts, lane) -> (len(texts), dim) float32``; production: Batcher.submit."""
-WriteBackFn = Callable[[Sequence[tuple[str, Row]]], Awaitable[None]]
+Ttls = Mapping[str, float]  # text -> seconds, for the texts written with a TTL
+WriteBackFn = Callable[[Sequence[tuple[str, Row]], Ttls], Awaitable[None]]
+TtlArg = float | Sequence[float | None] | None
 
 Status = Literal["hit", "coalesced", "miss"]
 
@@ -84,6 +94,7 @@ class _Call:
     missing: list[int] = field(default_factory=list)  # input indices the store lacked
     statuses: list[Status] = field(default_factory=list)  # per text sent to _SingleFlight
     owned: list[tuple[str, asyncio.Future[Row]]] = field(default_factory=list)
+    ttl_s: dict[str, float] = field(default_factory=dict)  # texts written with a TTL
 
 
 _CALL: ContextVar[_Call | None] = ContextVar("fleetcache_cache_call", default=None)
@@ -147,7 +158,7 @@ class _SingleFlight(Embeddings):
             rows = [fut.result() for fut in waits]
         finally:
             if outer is None:  # used outside aembed: CacheBackedEmbeddings writes them back
-                self.release(call.owned, written=True)
+                self.release(call, written=True)
         return cast("list[list[float]]", rows)
 
     async def _run(self, texts: list[str], futs: list[asyncio.Future[Row]], lane: str) -> None:
@@ -179,7 +190,7 @@ class _SingleFlight(Embeddings):
         if self._inflight.get(text) is fut:
             del self._inflight[text]
 
-    def release(self, owned: list[tuple[str, asyncio.Future[Row]]], *, written: bool) -> None:
+    def release(self, call: _Call, *, written: bool) -> None:
         """Drop a call's in-flight entries once they are written back.
 
         Keeping them until after the write-back closes the window in which a new request
@@ -188,23 +199,23 @@ class _SingleFlight(Embeddings):
         it waits for the computation, writes back what succeeded, then drops them.
         """
         orphans = []
-        for text, fut in owned:
+        for text, fut in call.owned:
             if written and fut.done():
                 self._forget(text, fut)
             else:
                 orphans.append((text, fut))
         if orphans:
-            task = asyncio.get_running_loop().create_task(self._adopt(orphans))
+            task = asyncio.get_running_loop().create_task(self._adopt(orphans, call.ttl_s))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _adopt(self, orphans: list[tuple[str, asyncio.Future[Row]]]) -> None:
+    async def _adopt(self, orphans: list[tuple[str, asyncio.Future[Row]]], ttl_s: Ttls) -> None:
         """Write back what the owner could not (coalesced waiters never write)."""
         try:
             await asyncio.wait([fut for _, fut in orphans])
             computed = [(t, f.result()) for t, f in orphans if f.exception() is None]
             if computed:
-                await self._write_back(computed)
+                await self._write_back(computed, ttl_s)
         finally:
             for text, fut in orphans:
                 self._forget(text, fut)
@@ -230,12 +241,15 @@ class _VectorStore(EncoderBackedStore[str, Any]):
         self,
         store: ByteStore,
         key_encoder: Callable[[str], str],
-        serializer: Callable[[Row], bytes],
+        serializer: Callable[[Row, float | None], bytes],
         deserializer: Callable[[bytes], Row | None],
         errors: ErrorLog,
+        wall_clock: Callable[[], float],
     ) -> None:
-        super().__init__(store, key_encoder, serializer, deserializer)
+        super().__init__(store, key_encoder, lambda row: serializer(row, None), deserializer)
+        self._serialize = serializer
         self._errors = errors
+        self._wall_clock = wall_clock
 
     async def amget(self, keys: Sequence[str]) -> list[Any]:
         try:
@@ -251,19 +265,42 @@ class _VectorStore(EncoderBackedStore[str, Any]):
     async def amset(self, key_value_pairs: Sequence[tuple[str, Any]]) -> None:
         call = _CALL.get()
         if call is None:
-            await self.write(key_value_pairs)
+            await self.write(key_value_pairs, {})
         else:
             owned = {text for text, _ in call.owned}
-            await self.write([(t, row) for t, row in key_value_pairs if t in owned])
+            pairs = [(t, row) for t, row in key_value_pairs if t in owned]
+            await self.write(pairs, call.ttl_s)
 
-    async def write(self, key_value_pairs: Sequence[tuple[str, Any]]) -> None:
-        unique = list(dict(key_value_pairs).items())
+    async def write(self, key_value_pairs: Sequence[tuple[str, Any]], ttl_s: Ttls) -> None:
+        unique = dict(key_value_pairs)
         if not unique:
             return
+        now = self._wall_clock()
+        encoded = []
+        for text, row in unique.items():
+            ttl = ttl_s.get(text)
+            expires_at = None if ttl is None else now + ttl
+            encoded.append((self.key_encoder(text), self._serialize(row, expires_at)))
         try:
-            await super().amset(unique)
+            await self.store.amset(encoded)
         except Exception as exc:
             self._errors.record("mset", exc)
+
+
+def _ttl_map(texts: Sequence[str], ttl_s: TtlArg) -> dict[str, float]:
+    """text -> TTL for the texts that have one (a text given twice keeps the shorter)."""
+    if ttl_s is None:
+        return {}
+    ttls = [ttl_s] * len(texts) if isinstance(ttl_s, int | float) else list(ttl_s)
+    if len(ttls) != len(texts):
+        raise ValueError(f"{len(ttls)} TTLs for {len(texts)} texts")
+    out: dict[str, float] = {}
+    for text, ttl in zip(texts, ttls, strict=True):
+        if ttl is not None:
+            if ttl <= 0:
+                raise ValueError(f"a TTL must be positive, got {ttl}")
+            out[text] = min(ttl, out.get(text, ttl))
+    return out
 
 
 class _AsyncEmbeddings(Embeddings):
@@ -311,7 +348,8 @@ class CachedEmbedder(_AsyncEmbeddings):
       "last_error_at"}}`` (``degraded``: the store failed and has not answered since),
       ``windows`` = ``{"1m"|"5m": {"hits",
       "misses", "hit_ratio"}}`` (window hits = hits + coalesced), plus ``store_errors`` (all
-      absorbed failures, corrupt entries included), ``corrupt_entries``, ``failed_calls``,
+      absorbed failures, corrupt entries included), ``corrupt_entries``, ``expired_entries``
+      (entries read after their TTL: misses, not errors), ``failed_calls``,
       ``in_flight``.
     - ``savings()``: ``{"calls_avoided", "ms_saved"}`` for the ``"inference"`` object.
     - ``by_caller()``: ``{caller: {"hits", "misses", "coalesced"}}`` where ``hits`` counts
@@ -331,6 +369,7 @@ class CachedEmbedder(_AsyncEmbeddings):
         per_item_ms: Callable[[], float] = lambda: 0.0,
         dtype: codec.Dtype = "float32",
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         if not namespace or len(namespace) > 200 or any(c.isspace() for c in namespace):
             raise ValueError(f"namespace must be 1..200 non-blank characters: {namespace!r}")
@@ -345,7 +384,12 @@ class CachedEmbedder(_AsyncEmbeddings):
         self._stats = CacheStats(clock)
         self._errors = ErrorLog(f"cache namespace {namespace}")
         self._corrupt = 0
-        vectors = _VectorStore(store, self.key, self._encode, self._decode, self._errors)
+        self._expired = 0
+        self._wall_clock = wall_clock
+        self.links = EntityLinks(store, namespace, self._errors)
+        vectors = _VectorStore(
+            store, self.key, self._encode, self._decode, self._errors, wall_clock
+        )
         self._flight = _SingleFlight(compute, dim, vectors.write)
         # batch_size=None: all misses of a call in one underlying call, one write-back.
         self._cbe = CacheBackedEmbeddings(
@@ -357,29 +401,40 @@ class CachedEmbedder(_AsyncEmbeddings):
         digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=32)
         return f"{self.namespace}:{digest.hexdigest()}"
 
-    def _encode(self, row: Row) -> bytes:
-        return codec.encode(row, self.dtype)
+    def _encode(self, row: Row, expires_at: float | None) -> bytes:
+        return codec.encode(row, self.dtype, expires_at=expires_at)
 
     def _decode(self, data: bytes) -> Row | None:
         try:
-            return codec.decode(data, self.dim)
+            return codec.decode(data, self.dim, now=self._wall_clock())
+        except codec.ExpiredEntryError:
+            self._expired += 1
+            return None
         except codec.CorruptEntryError as exc:
             self._corrupt += 1
             self._errors.record("decode", exc)
             return None
 
     async def aembed(
-        self, texts: Sequence[str], *, caller: str = "dispatch", lane: str | None = None
+        self,
+        texts: Sequence[str],
+        *,
+        caller: str = "dispatch",
+        lane: str | None = None,
+        ttl_s: TtlArg = None,
     ) -> EmbedResult:
         """Vectors for ``texts`` in order; misses go to the engine on ``lane``.
 
         ``lane`` defaults to ``"warmup"`` for caller ``"warmup"``, else ``"dispatch"``.
-        Raises what ``compute`` raised (e.g. ``EngineError``) for texts it had to compute.
+        ``ttl_s`` (seconds, one for every text or one per text, None: never) makes the
+        entries this call writes expire. Raises what ``compute`` raised (e.g.
+        ``EngineError``) for texts it had to compute.
         """
         n = len(texts)
         if n == 0:
             return EmbedResult(np.empty((0, self.dim), np.float32), 0, 0, 0, ())
         call = _Call(lane=lane or ("warmup" if caller == "warmup" else "dispatch"))
+        call.ttl_s = _ttl_map(texts, ttl_s)
         token = _CALL.set(call)
         written = False
         try:
@@ -390,7 +445,7 @@ class CachedEmbedder(_AsyncEmbeddings):
             raise
         finally:
             _CALL.reset(token)
-            self._flight.release(call.owned, written=written)
+            self._flight.release(call, written=written)
         statuses: list[Status] = ["hit"] * n
         for i, status in zip(call.missing, call.statuses, strict=True):
             statuses[i] = status
@@ -403,6 +458,24 @@ class CachedEmbedder(_AsyncEmbeddings):
         # faster than np.stack for 1,000 rows.
         vectors = np.concatenate(cast("list[Row]", rows)).reshape(n, self.dim)
         return EmbedResult(vectors, hits, coalesced, misses, tuple(statuses))
+
+    async def aembed_entities(
+        self,
+        entities: Sequence[Entity],
+        *,
+        caller: str = "dispatch",
+        lane: str | None = None,
+        ttl_s: Mapping[str, float | None] | None = None,
+    ) -> EmbedResult:
+        """``aembed`` of the entities' texts with the TTL of their kind (``ttl_s``), then
+        each entity linked to its vector key (its previous vector dropped if it changed)."""
+        ttls = ttl_s or {}
+        texts = [e.text for e in entities]
+        result = await self.aembed(
+            texts, caller=caller, lane=lane, ttl_s=[ttls.get(e.kind) for e in entities]
+        )
+        await self.links.relink([(e.kind, e.id) for e in entities], [self.key(t) for t in texts])
+        return result
 
     async def _vectors(self, texts: list[str]) -> Vectors:
         return (await self.aembed(texts)).vectors
@@ -463,6 +536,7 @@ class CachedEmbedder(_AsyncEmbeddings):
             "windows": self._stats.windows(),
             "store_errors": self.store_errors,
             "corrupt_entries": self._corrupt,
+            "expired_entries": self._expired,
             "failed_calls": self._stats.failed_calls,
             "in_flight": self._flight.in_flight,
         }

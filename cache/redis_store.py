@@ -1,9 +1,11 @@
 """``RedisByteStore``: the shared second tier, over redis-py (not langchain-community).
 
 One ``MGET`` per ``mget`` (chunked past ``chunk`` keys, the chunks pipelined in one round
-trip), one pipeline per ``mset`` (``MSET``, or ``SET key value PX ttl`` per key when a TTL is
-set), ``UNLINK`` for ``mdelete``, ``SCAN MATCH prefix*`` for ``yield_keys``. Keys are stored
-as ``prefix + key`` so that several namespaces or services can share one Redis database.
+trip), one pipeline per ``mset`` (``MSET``, or ``SET key value PX ttl`` per key that has a TTL:
+the store's ``ttl_s``, or the value's own expiry time read by ``expiry_of``, which the cache
+sets to ``codec.expires_at``), ``UNLINK`` for ``mdelete``, ``SCAN MATCH prefix*`` for
+``yield_keys``. Keys are stored as ``prefix + key`` so that several namespaces or services
+can share one Redis database.
 
 Connections come from a ``BlockingConnectionPool`` of ``max_connections``: a caller waits up to
 ``socket_timeout_s`` for a free connection instead of opening more. Every command has the same
@@ -24,6 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, TypeVar, cast
@@ -69,8 +73,11 @@ class RedisByteStore(CacheStore):
     """``str -> bytes`` in Redis under ``prefix``; ``ttl_s`` (optional) expires each write.
 
     ``url`` is a redis-py URL (``redis://host:port/db``, ``rediss://`` for TLS,
-    ``unix:///path``). Nothing connects until the first command, so building the store never
-    fails because Redis is down. ``close()`` shuts the thread pool and the connections.
+    ``unix:///path``). ``expiry_of(value)`` (optional) gives a value's own expiry time
+    (``time.time()`` seconds, or None); such a value gets ``PX`` of the time left, computed
+    here so that the Redis server's clock does not matter; it takes precedence over ``ttl_s``.
+    Nothing connects until the first command, so building the store never fails because
+    Redis is down. ``close()`` shuts the thread pool and the connections.
     """
 
     kind: ClassVar[str] = "redis"
@@ -86,6 +93,7 @@ class RedisByteStore(CacheStore):
         max_connections: int = 16,
         chunk: int = 10_000,
         scan_count: int = 1_000,
+        expiry_of: Callable[[bytes], float | None] | None = None,
     ) -> None:
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive or None, got {ttl_s}")
@@ -110,6 +118,7 @@ class RedisByteStore(CacheStore):
         self._chunk = chunk
         self._scan_count = scan_count
         self._pattern = _glob_escape(prefix)
+        self._expiry_of = expiry_of
         self._closed = False
 
     def _k(self, key: str) -> bytes:
@@ -132,16 +141,26 @@ class RedisByteStore(CacheStore):
                 pipe.mget(part)
             return [v for values in pipe.execute() for v in values]
 
+    def _ttl_ms(self, value: bytes, now: float) -> int | None:
+        expires_at = self._expiry_of(value) if self._expiry_of is not None else None
+        if expires_at is None:
+            return self.ttl_ms
+        return max(1, math.ceil((expires_at - now) * 1000))
+
     def mset(self, key_value_pairs: Sequence[tuple[str, bytes]]) -> None:
         if not key_value_pairs:
             return
+        plain: Sequence[tuple[str, bytes]] = key_value_pairs
         with self._client.pipeline(transaction=False) as pipe:
-            if self.ttl_ms is None:
-                for part in self._chunks(key_value_pairs):
-                    pipe.mset({self._k(k): v for k, v in part})
-            else:
+            if self.ttl_ms is not None or self._expiry_of is not None:
+                now, plain = time.time(), []
                 for k, v in key_value_pairs:
-                    pipe.set(self._k(k), v, px=self.ttl_ms)
+                    if (ttl_ms := self._ttl_ms(v, now)) is None:
+                        plain.append((k, v))
+                    else:
+                        pipe.set(self._k(k), v, px=ttl_ms)
+            for part in self._chunks(plain):
+                pipe.mset({self._k(k): v for k, v in part})
             pipe.execute()
 
     def mdelete(self, keys: Sequence[str]) -> None:

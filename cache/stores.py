@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 import lmdb
 from langchain_core.stores import ByteStore
 
+from cache import codec
 from cache.base import CacheStore, ErrorLog, log
 from cache.redis_store import RedisByteStore
 
@@ -599,7 +600,11 @@ def build_store(
         if not redis_url:
             raise ValueError("store kind 'redis' needs a redis_url")
         store = RedisByteStore(
-            redis_url, prefix=redis_prefix, ttl_s=redis_ttl_s, socket_timeout_s=redis_timeout_s
+            redis_url,
+            prefix=redis_prefix,
+            ttl_s=redis_ttl_s,
+            socket_timeout_s=redis_timeout_s,
+            expiry_of=codec.expires_at,  # entries written with a TTL expire in Redis too
         )
     else:
         raise ValueError(f"unknown cache store kind {kind!r}; use 'memory', 'lmdb' or 'redis'")

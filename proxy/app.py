@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from engines.base import Engine
 from features.synthetic import generate_fleet
 from proxy.errors import install_error_handlers
-from proxy.routes import dispatch, embeddings, features, fleet, ops, warmup
+from proxy.routes import cache, dispatch, embeddings, features, fleet, ops, warmup
 from proxy.services import Services, open_services
 from proxy.settings import Settings
 from proxy.warmup import WarmupJobs
@@ -96,7 +96,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         summary="Embedding cache proxy in front of the inference GPU for fleet dispatch",
         lifespan=lifespan,
     )
+    app.state.settings = settings  # read by routes that must answer before services exist
     install_error_handlers(app)
-    for module in (embeddings, features, fleet, dispatch, warmup, ops):
+    for module in (embeddings, features, fleet, dispatch, warmup, cache, ops):
         app.include_router(module.router)
     return app

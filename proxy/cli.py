@@ -1,22 +1,31 @@
-"""The ``fleetcache`` command line: serve, warmup, stats, gen-fleet (API.md, "Running it")."""
+"""The ``fleetcache`` command line: serve, warmup, stats, coverage, gen-fleet, cache prune
+(API.md, "Running it")."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import csv
+import itertools
 import json
 import logging
 import sys
+import time
+from collections.abc import Iterable
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any
 
 import httpx
 import typer
 from pydantic import ValidationError
-from rich.console import Console
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
+from cache.prune import NamespaceUsage, prune
 from features.readers import file_format, write_records
 from features.synthetic import iter_fleet
 from proxy.settings import Settings
@@ -34,6 +43,8 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
+cache_app = typer.Typer(help="The embedding cache's store.", no_args_is_help=True)
+app.add_typer(cache_app, name="cache")
 console = Console(stderr=True)
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -233,17 +244,64 @@ def stats_tables(stats: dict[str, Any]) -> list[Table]:
     return [overview, engine, requests, callers]
 
 
-@app.command()
-def stats(url: Annotated[str, typer.Option(help="the proxy")] = DEFAULT_URL) -> None:
-    """Print the proxy's /v1/stats as tables."""
+def fetch_stats(url: str) -> dict[str, Any]:
+    response = httpx.get(f"{url}/v1/stats", timeout=10)
+    response.raise_for_status()
+    return dict(response.json())
+
+
+def stats_frame(url: str, interval: float) -> RenderableType:
+    """One refresh of ``stats --watch``; a failed read is shown, and the next one retried."""
+    now = datetime.now().strftime("%H:%M:%S")
     try:
-        response = httpx.get(f"{url}/v1/stats", timeout=10)
-        response.raise_for_status()
+        tables: list[RenderableType] = list(stats_tables(fetch_stats(url)))
+    except httpx.HTTPError as exc:
+        tables = [Text(f"cannot read {url}/v1/stats: {exc}", style="red")]
+    heading = Text(f"{url} at {now}, every {interval:g} s (Ctrl-C to stop)", style="dim")
+    return Group(heading, *tables)
+
+
+def watch_stats(url: str, interval: float, count: int | None) -> None:
+    """Redraw in place on a terminal; elsewhere (a pipe, a log) print each refresh in turn."""
+    out = Console()
+    frames: Iterable[int] = range(count) if count is not None else itertools.count()
+    try:
+        with contextlib.ExitStack() as stack:
+            live = None
+            if out.is_terminal:
+                live = stack.enter_context(Live(console=out, auto_refresh=False))
+            for i in frames:
+                if i:
+                    time.sleep(interval)
+                frame = stats_frame(url, interval)
+                if live is not None:
+                    live.update(frame, refresh=True)
+                else:
+                    out.print(frame)
+    except KeyboardInterrupt:
+        pass  # Ctrl-C is how a watch ends
+
+
+@app.command()
+def stats(
+    url: Annotated[str, typer.Option(help="the proxy")] = DEFAULT_URL,
+    watch: Annotated[bool, typer.Option(help="redraw every --interval seconds")] = False,
+    interval: Annotated[float, typer.Option(min=0.1, help="seconds between redraws")] = 2.0,
+    count: Annotated[
+        int | None, typer.Option(min=1, help="with --watch: stop after N redraws")
+    ] = None,
+) -> None:
+    """Print the proxy's /v1/stats as tables (--watch: until Ctrl-C)."""
+    if watch:
+        watch_stats(url, interval, count)
+        return
+    try:
+        data = fetch_stats(url)
     except httpx.HTTPError as exc:
         console.print(f"[red]cannot read {url}/v1/stats:[/red] {exc}")
         raise typer.Exit(1) from None
     out = Console()
-    for table in stats_tables(response.json()):
+    for table in stats_tables(data):
         out.print(table)
 
 
@@ -287,6 +345,67 @@ def coverage_command(
         f"roster {result['roster']}: {result['known']} known to the fleet index, "
         f"{result['cached']} with current features cached ({result['share']:.1%})"
     )
+
+
+def current_namespace(settings: Settings) -> str:
+    """The cache namespace the server would use, from the engine's fingerprint: the engine
+    is built (its model files hashed) but never loaded."""
+    from engines.registry import create_engine
+    from proxy.services import cache_namespace, engine_options
+
+    return cache_namespace(create_engine(settings.engine, **engine_options(settings)).info)
+
+
+def prune_table(usage: list[NamespaceUsage], dry_run: bool, caption: str) -> Table:
+    title = "cache prune (dry run: freed is what would be freed)" if dry_run else "cache prune"
+    table = Table(title=title, caption=caption)
+    table.add_column("namespace", no_wrap=True)
+    table.add_column("state")
+    for name in ("entries", "links", "bytes", "freed entries", "freed bytes"):
+        table.add_column(name, justify="right")
+    for u in usage:
+        state = "current" if u.current else "old"
+        counts = (u.entries, u.links, u.bytes, u.freed_entries, u.freed_bytes)
+        table.add_row(u.namespace, state, *(f"{n:,}" for n in counts))
+    totals = [sum(getattr(u, f) for u in usage) for f in ("freed_entries", "freed_bytes")]
+    table.add_section()
+    table.add_row("total", "", "", "", "", *(f"{n:,}" for n in totals))
+    return table
+
+
+@cache_app.command("prune")
+def cache_prune(
+    dry_run: Annotated[
+        bool, typer.Option(help="count what would be removed, remove nothing")
+    ] = False,
+) -> None:
+    """Remove cache entries (and entity links) of every engine fingerprint but the current
+    one, and expired entries, from the store of FLEETCACHE_STORE (LMDB data dir or Redis)."""
+    from proxy.services import build_store
+
+    settings = load_settings()
+    if settings.store == "memory":
+        console.print("store 'memory' keeps nothing between runs: nothing to prune")
+        return
+    if settings.store == "lmdb" and not settings.lmdb_path.is_dir():
+        console.print(f"no cache at {settings.lmdb_path}: nothing to prune")
+        return
+    try:
+        namespace = current_namespace(settings)
+        tiered = build_store(settings)
+    except Exception as exc:  # an engine that cannot be built here, a store that cannot open
+        console.print(f"[red]cache prune could not run:[/red] {exc}")
+        raise typer.Exit(1) from None
+    try:
+        assert tiered.store is not None
+        usage = prune(tiered.store, namespace, dry_run=dry_run)
+    except Exception as exc:  # Redis unreachable, LMDB error
+        console.print(f"[red]cache prune failed:[/red] {exc!r}")
+        raise typer.Exit(1) from None
+    finally:
+        tiered.close()
+    caption = f"store {settings.store}, current namespace {namespace}"
+    Console().print(prune_table(usage, dry_run, caption))
 
 
 @app.command("gen-fleet")

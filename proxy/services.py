@@ -19,8 +19,9 @@ from prometheus_client import CollectorRegistry
 
 from cache import stores
 from cache.embedder import CachedEmbedder, EmbedResult
+from cache.links import Entity
 from cache.stores import TieredByteStore
-from engines.base import Engine
+from engines.base import Engine, EngineInfo
 from engines.batcher import Batcher
 from engines.registry import create_engine
 from features.models import DriverRecord, Position, Status
@@ -68,13 +69,29 @@ class Services:
         return True, "ready"
 
     async def embed(self, texts: Sequence[str], caller: str) -> EmbedResult:
+        """Plain texts: no entity, so no TTL and no link."""
         return await self.embedder.aembed(texts, caller=caller, lane=lane_for(caller))
+
+    async def embed_entities(self, entities: Sequence[Entity], caller: str) -> EmbedResult:
+        """Driver and vehicle records: their kind's TTL, and each linked to its vector."""
+        settings = self.settings
+        return await self.embedder.aembed_entities(
+            entities,
+            caller=caller,
+            lane=lane_for(caller),
+            ttl_s={"driver": settings.cache_ttl_driver_s, "vehicle": settings.cache_ttl_vehicle_s},
+        )
+
+    async def forget_entity(self, kind: str, entity_id: str) -> int | None:
+        """Drop an entity's cached vector from every tier (None: never embedded)."""
+        return await self.embedder.links.forget(kind, entity_id)
 
     async def upsert_drivers(
         self, records: Sequence[DriverRecord], caller: str
     ) -> tuple[int, EmbedResult]:
         """Embed (through the cache) and index; the index changes only if every text embedded."""
-        result = await self.embed([driver_text(r) for r in records], caller)
+        entities = [Entity("driver", r.driver_id, driver_text(r)) for r in records]
+        result = await self.embed_entities(entities, caller)
         self.index.upsert_drivers(records, result.vectors)
         self.index_revision += 1
         return len(records), result
@@ -106,6 +123,11 @@ def build_store(settings: Settings) -> TieredByteStore:
         map_size=int(settings.lmdb_map_size_gb * 2**30),
         redis_url=settings.redis_url,
     )
+
+
+def cache_namespace(info: EngineInfo) -> str:
+    """Vectors of another engine fingerprint or text schema never mix (ARCHITECTURE.md)."""
+    return f"t{TEXT_SCHEMA_VERSION}-{info.fingerprint}"
 
 
 def engine_options(settings: Settings) -> dict[str, Any]:
@@ -150,7 +172,7 @@ async def open_services(
         embedder = CachedEmbedder(
             batcher.submit,
             build_store(settings),
-            namespace=f"t{TEXT_SCHEMA_VERSION}-{info.fingerprint}",
+            namespace=cache_namespace(info),
             dim=info.dim,
             per_item_ms=lambda: batcher.per_item_ms,
         )

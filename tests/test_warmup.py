@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from cache.codec import decode
+from cache.links import LINK_PREFIX
 from cache.stores import LmdbByteStore
 from engines.fake import FakeEngine
 from features.readers import write_records
@@ -131,9 +132,13 @@ def test_resume_after_kill_embeds_nothing_twice(env: Path, tmp_path: Path) -> No
     assert 0 < done_before < 12_000
 
     store = LmdbByteStore(env / "cache.lmdb")
-    durable = sorted(store.yield_keys())
+    durable = sorted(k for k in store.yield_keys() if not k.startswith(LINK_PREFIX))
     for value in store.mget(durable):  # nothing half-written decodes wrongly
         assert value is not None and decode(value, expected_dim=384).shape == (384,)
+    links = list(store.yield_keys(prefix=LINK_PREFIX))
+    assert links  # the drivers are linked to their vectors ...
+    targets = {v.decode() for v in store.mget(links) if v is not None}
+    assert targets <= set(durable)  # ... and a link is only written after its vector
     store.close()
 
     second = subprocess.run(

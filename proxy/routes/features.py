@@ -7,6 +7,7 @@ import time
 from fastapi import APIRouter, Response
 from pydantic import BaseModel, ConfigDict
 
+from cache.links import Entity
 from features.models import DriverRecord, VehicleRecord
 from features.text import driver_text, vehicle_text
 from proxy.deps import CallerDep, ServicesDep
@@ -38,9 +39,9 @@ async def embed_features(
     started = time.perf_counter()
     n = len(body.drivers) + len(body.vehicles)
     check_record_count(n, services.settings.max_records_per_request, "drivers")
-    entities = [("driver", d.driver_id, driver_text(d)) for d in body.drivers]
-    entities += [("vehicle", v.vehicle_id, vehicle_text(v)) for v in body.vehicles]
-    result = await services.embed([text for _, _, text in entities], caller)
+    entities = [Entity("driver", d.driver_id, driver_text(d)) for d in body.drivers]
+    entities += [Entity("vehicle", v.vehicle_id, vehicle_text(v)) for v in body.vehicles]
+    result = await services.embed_entities(entities, caller)
     results = []
     for (entity, entity_id, _), status, row in zip(
         entities, result.statuses, result.vectors, strict=True

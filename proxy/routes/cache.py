@@ -1,0 +1,60 @@
+"""Cache administration: ``DELETE /v1/cache/entities/{driver|vehicle}/{id}`` (admin only).
+
+Admin routes need ``Authorization: Bearer <FLEETCACHE_ADMIN_TOKEN>``: without a configured
+token they answer 403 (disabled), with a missing or wrong one 401.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Header, Request
+
+from proxy.deps import ServicesDep
+from proxy.errors import APIError
+from proxy.settings import Settings
+
+router = APIRouter(tags=["cache"])
+
+EntityKind = Literal["driver", "vehicle"]
+
+
+def require_admin(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
+    settings: Settings = request.app.state.settings
+    token = settings.admin_token
+    if not token:
+        raise APIError(
+            403,
+            "admin routes are disabled: set FLEETCACHE_ADMIN_TOKEN to enable them",
+            type="permission_error",
+        )
+    scheme, _, given = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        given.strip().encode(), token.encode()
+    ):
+        raise APIError(
+            401,
+            "admin routes need the header 'Authorization: Bearer <FLEETCACHE_ADMIN_TOKEN>'",
+            param="Authorization",
+            type="authentication_error",
+        )
+
+
+AdminDep = Annotated[None, Depends(require_admin)]
+
+
+@router.delete("/v1/cache/entities/{kind}/{entity_id}")
+async def forget_entity(
+    _: AdminDep, kind: EntityKind, entity_id: str, services: ServicesDep
+) -> dict[str, Any]:
+    """Drop the entity's cached vector from every tier; its next embed is a miss."""
+    try:
+        deleted = await services.forget_entity(kind, entity_id)
+    except Exception as exc:
+        raise APIError(503, f"cache store unavailable: {exc!r}", type="store_error") from exc
+    if deleted is None:
+        raise APIError(
+            404, f"no cached vector is linked to {kind} {entity_id!r}", param="id", type="not_found"
+        )
+    return {"entity": kind, "id": entity_id, "deleted": deleted}
