@@ -9,6 +9,7 @@ Exceptions translated here, one handler per family::
     StarletteHTTPException          unknown path 404, wrong method 405, ...
     features UnknownConstraintError 422, param "constraints", lists the known ones
     engines QueueFullError          429 (retry later)
+    engines DeadlineExceededError   503 "deadline_exceeded" (queued past its deadline; retry)
     engines EngineError             503 (the engine failed; hits are still served)
     Exception                       500 "internal_error", logged with its traceback
 """
@@ -24,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engines.base import EngineError, QueueFullError
+from engines.base import DeadlineExceededError, EngineError, QueueFullError
 from features.constraints import UnknownConstraintError
 
 log = logging.getLogger("fleetcache.proxy")
@@ -32,9 +33,16 @@ log = logging.getLogger("fleetcache.proxy")
 
 class APIError(Exception):
     def __init__(
-        self, status: int, message: str, *, param: str | None = None, type: str | None = None
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
+        self.headers = headers
         self.status = status
         self.message = message
         self.param = param
@@ -76,7 +84,9 @@ def _validation(request: Request, exc: Exception) -> JSONResponse:
 
 def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
-    return error_response(exc.status, exc.message, type=exc.type, param=exc.param)
+    return error_response(
+        exc.status, exc.message, type=exc.type, param=exc.param, headers=exc.headers
+    )
 
 
 def _http(request: Request, exc: Exception) -> JSONResponse:
@@ -98,6 +108,15 @@ def _queue_full(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
+def _deadline(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(
+        503,
+        f"inference queue too slow for this request's deadline: {exc}",
+        type="deadline_exceeded",
+        headers={"Retry-After": "1"},
+    )
+
+
 def _engine(request: Request, exc: Exception) -> JSONResponse:
     return error_response(503, f"inference engine unavailable: {exc}", type="engine_error")
 
@@ -113,5 +132,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _http)
     app.add_exception_handler(UnknownConstraintError, _constraint)
     app.add_exception_handler(QueueFullError, _queue_full)
+    app.add_exception_handler(DeadlineExceededError, _deadline)
     app.add_exception_handler(EngineError, _engine)
     app.add_exception_handler(Exception, _unhandled)

@@ -85,6 +85,16 @@ class StatsCollector(Collector):
             "Batches that failed.",
             value=inference["failed_batches"],
         )
+        yield CounterMetricFamily(
+            "fleetcache_engine_expired_items",
+            "Texts dropped before the engine because their deadline passed.",
+            value=inference["expired_items"],
+        )
+        yield CounterMetricFamily(
+            "fleetcache_cache_expired_entries",
+            "Entries found past their TTL (served as misses).",
+            value=cache["expired_entries"],
+        )
         yield GaugeMetricFamily(
             "fleetcache_engine_item_seconds",
             "Mean engine time per text.",
@@ -114,11 +124,20 @@ class StatsCollector(Collector):
         for name, window in cache["windows"].items():
             windows.add_metric([name], window["hit_ratio"])
         yield windows
+        health = inference["engine_health"]
         yield GaugeMetricFamily(
             "fleetcache_engine_healthy",
-            "1 unless the most recent batch failed.",
-            value=1.0 if inference["healthy"] else 0.0,
+            "1 while the primary engine serves misses (no failed batch, batch p99 in limit).",
+            value=1.0 if health["healthy"] else 0.0,
         )
+        serving = GaugeMetricFamily(
+            "fleetcache_engine_serving",
+            "1 for the engine that serves misses now: primary, fallback or none (503).",
+            labels=["engine"],
+        )
+        for name in ("primary", "fallback", "none"):
+            serving.add_metric([name], 1.0 if health["serving"] == name else 0.0)
+        yield serving
         yield GaugeMetricFamily(
             "fleetcache_ready", "1 when /readyz answers 200.", value=1.0 if stats["ready"] else 0.0
         )

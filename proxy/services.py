@@ -21,8 +21,9 @@ from cache import stores
 from cache.embedder import CachedEmbedder, EmbedResult
 from cache.links import Entity
 from cache.stores import TieredByteStore
-from engines.base import Engine, EngineInfo
-from engines.batcher import Batcher
+from engines.base import Engine, EngineInfo, Vectors
+from engines.batcher import Batcher, deadline_after
+from engines.fallback import FallbackEngine
 from engines.registry import create_engine
 from features.models import DriverRecord, Position, Status
 from features.text import TEXT_SCHEMA_VERSION, driver_text
@@ -62,8 +63,11 @@ class Services:
 
     @property
     def ready(self) -> tuple[bool, str]:
-        if not self.batcher.healthy:
-            return False, f"engine failing: {self.batcher.stats().last_error}"
+        """What /readyz answers and /v1/stats shows: the engine's own reason first (primary
+        failed, batch p99 over its limit, fallback serving), then the index."""
+        health = self.batcher.engine_health()
+        if not health.healthy:
+            return False, str(health.reason)
         if not self.index_ready:
             return False, "fleet index loading"
         return True, "ready"
@@ -130,13 +134,30 @@ def cache_namespace(info: EngineInfo) -> str:
     return f"t{TEXT_SCHEMA_VERSION}-{info.fingerprint}"
 
 
-def engine_options(settings: Settings) -> dict[str, Any]:
-    if settings.engine == "fake":
+def engine_options(
+    settings: Settings, kind: str | None = None, device: str | None = None
+) -> dict[str, Any]:
+    """``create_engine`` options of the configured engine, or of another kind/device."""
+    if (kind or settings.engine) == "fake":
         return {}
-    options: dict[str, Any] = {"device": settings.device, "max_seq_length": settings.max_seq_length}
+    options: dict[str, Any] = {
+        "device": device or settings.device,
+        "max_seq_length": settings.max_seq_length,
+    }
     if settings.model_path:
         options["model_path"] = settings.model_path
     return options
+
+
+def build_engine(settings: Settings) -> FallbackEngine:
+    """The configured engine, watched: unhealthy on a failed batch or a batch p99 over
+    ``max_batch_p99_ms``, then misses go to the fallback (same fingerprint only) or get 503."""
+    primary = create_engine(settings.engine, **engine_options(settings))
+    fallback = None
+    if settings.fallback_engine is not None:
+        kind, device = settings.fallback_engine, settings.fallback_device
+        fallback = create_engine(kind, **engine_options(settings, kind, device))
+    return FallbackEngine(primary, fallback, max_batch_p99_ms=settings.max_batch_p99_ms)
 
 
 @contextlib.asynccontextmanager
@@ -146,7 +167,7 @@ async def open_services(
     """Build every component; an injected ``engine`` (tests) replaces the configured one."""
     async with contextlib.AsyncExitStack() as stack:
         if engine is None:
-            engine = create_engine(settings.engine, **engine_options(settings))
+            engine = build_engine(settings)
         log.info("loading engine %s", settings.engine)
         await asyncio.to_thread(engine.load)
         stack.callback(engine.close)
@@ -166,11 +187,19 @@ async def open_services(
             max_batch_size=settings.max_batch_size,
             max_delay_ms=settings.max_delay_ms,
             max_queue=settings.max_queue,
+            max_batch_tokens=settings.max_batch_tokens,
         )
         await stack.enter_async_context(batcher)
+        deadlines_ms = {
+            "dispatch": settings.dispatch_deadline_ms,
+            "warmup": settings.warmup_deadline_ms,
+        }
+
+        async def compute(texts: Sequence[str], lane: str) -> Vectors:
+            return await batcher.submit(texts, lane, deadline_after(deadlines_ms[lane]))
 
         embedder = CachedEmbedder(
-            batcher.submit,
+            compute,
             build_store(settings),
             namespace=cache_namespace(info),
             dim=info.dim,
@@ -181,5 +210,8 @@ async def open_services(
         index = await asyncio.to_thread(FleetVectorStore.load, settings.index_dir, info.dim)
         log.info("fleet index loaded: %d drivers", len(index))
         services = Services(settings, engine, batcher, embedder, index, registry)
+        batcher.on_queue_wait = lambda _lane, seconds: services.latency.observe_stage(
+            "queue_wait", seconds
+        )
         stack.callback(services.snapshot)  # exit runs in reverse: saved first, engine closed last
         yield services

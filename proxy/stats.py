@@ -14,15 +14,6 @@ from proxy.gpu_health import default_monitor
 from proxy.services import Services
 
 
-def readiness(services: Services) -> tuple[bool, str]:
-    """``Services.ready``, with the engine's own reason first (primary failed, p99 too high,
-    fallback serving): what ``/readyz`` answers and ``/v1/stats`` shows."""
-    health = services.batcher.engine_health()
-    if not health.healthy:
-        return False, str(health.reason)
-    return services.ready
-
-
 def inference_section(services: Services) -> dict[str, Any]:
     info = services.engine.info
     batcher = services.batcher.stats()
@@ -54,7 +45,7 @@ def inference_section(services: Services) -> dict[str, Any]:
 
 
 def build_stats(services: Services) -> dict[str, Any]:
-    ready, reason = readiness(services)
+    ready, reason = services.ready
     return {
         "uptime_s": time.monotonic() - services.started,
         "ready": ready,

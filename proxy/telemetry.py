@@ -37,11 +37,22 @@ class RequestLatency:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.stages = Histogram(
+            "fleetcache_request_stage_duration_seconds",
+            "Time one request spent in a stage: cache_lookup (tiers read), queue_wait (its "
+            "misses waiting for a batch), index (the fleet index search of a recommend).",
+            ["stage"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
 
     def observe(self, route: str, misses: int, seconds: float) -> None:
         outcome = "miss" if misses else "hit"
         self._recent[outcome].append(seconds * 1000.0)
         self.histogram.labels(route=route, outcome=outcome).observe(seconds)
+
+    def observe_stage(self, stage: str, seconds: float) -> None:
+        self.stages.labels(stage=stage).observe(seconds)
 
     def summary(self) -> dict[str, dict[str, float]]:
         out = {}

@@ -144,6 +144,7 @@ def test_wrong_or_missing_token_is_401(admin_client: TestClient, headers: dict[s
     path = f"/v1/cache/entities/driver/{driver.driver_id}"
     response = admin_client.delete(path, headers=headers)
     assert response.status_code == 401
+    assert response.headers["WWW-Authenticate"] == "Bearer"
     error = response.json()["error"]
     assert error["type"] == "authentication_error" and "Bearer" in error["message"]
     assert embed(admin_client, [driver.model_dump(mode="json")])["hits"] == 1  # untouched

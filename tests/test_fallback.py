@@ -21,6 +21,7 @@ from engines.base import Batch, EngineError, EngineUnavailableError, Vectors
 from engines.batcher import Batcher
 from engines.fake import FakeEngine
 from engines.fallback import PROBE_TEXTS, FallbackEngine
+from proxy.services import build_engine
 from tests.conftest import make_settings, open_client, wait_ready
 
 
@@ -197,3 +198,28 @@ def test_http_fallback_serves_misses_and_readyz_still_reports_the_primary(
         assert "z" not in primary.misses_seen()
         assert client.get("/readyz").status_code == 503
         assert engine_health(client)["serving"] == "fallback"
+
+
+def test_http_dispatch_items_past_their_deadline_never_reach_the_engine(tmp_path: Path) -> None:
+    engine = FakeEngine(dim=8, delay_s=0.5)  # one text per batch, 0.5 s each
+    settings = make_settings(tmp_path, max_batch_size=1, dispatch_deadline_ms=150)
+    with open_client(settings, engine) as client:
+        wait_ready(client)
+        before = engine.items  # warm-up texts
+        response = client.post("/v1/embeddings", json={"input": ["first", "second"]})
+        assert response.status_code == 503
+        assert response.json()["error"]["type"] == "deadline_exceeded"
+        assert response.headers["Retry-After"] == "1"
+        time.sleep(0.6)  # "first" finishes in the engine; "second" was dropped while queued
+        assert engine.items == before + 1
+        stats = client.get("/v1/stats").json()["inference"]
+        assert stats["expired_items"] == 1
+
+
+def test_settings_build_a_watched_engine_with_a_same_fingerprint_fallback(tmp_path: Path) -> None:
+    engine = build_engine(make_settings(tmp_path, fallback_engine="fake"))
+    assert isinstance(engine, FallbackEngine) and engine.fallback is not None
+    assert engine.fallback.fingerprint == engine.fingerprint
+    assert build_engine(make_settings(tmp_path)).fallback is None
+    with pytest.raises(ValueError, match="fingerprint"):
+        build_engine(make_settings(tmp_path, engine="torch", fallback_engine="fake"))

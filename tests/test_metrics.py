@@ -253,3 +253,22 @@ def test_gpu_monitor_reads_at_most_once_per_interval() -> None:
     assert len(calls) == 1
     monitor.close()
     assert gpu_health.default_monitor() is gpu_health.default_monitor()
+
+
+def test_request_stages_and_engine_health_families(client: TestClient) -> None:
+    run_workload(client)
+    order = {"order_id": "O1", "pickup": {"lat": 31.23, "lng": 121.47}}
+    assert client.post("/v1/dispatch/recommend", json=order).status_code == 200
+    m = scrape(client)
+    stage = "fleetcache_request_stage_duration_seconds_count"
+    # every request whose misses went to the engine waited in the queue once (one batch each);
+    # the recommend's order text was a miss too
+    miss_requests = total(m, "fleetcache_request_duration_seconds_count", outcome="miss")
+    assert miss_requests == 4
+    assert total(m, stage, stage="queue_wait") == miss_requests
+    assert total(m, stage, stage="index") == 1  # one recommend, one index search
+    assert total(m, "fleetcache_engine_serving", engine="primary") == 1
+    assert total(m, "fleetcache_engine_serving", engine="none") == 0
+    assert total(m, "fleetcache_engine_healthy") == 1
+    assert total(m, "fleetcache_engine_expired_items_total") == 0
+    assert total(m, "fleetcache_cache_expired_entries_total") == 0

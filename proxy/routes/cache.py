@@ -20,7 +20,9 @@ router = APIRouter(tags=["cache"])
 EntityKind = Literal["driver", "vehicle"]
 
 
-def require_admin(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
+async def require_admin(
+    request: Request, authorization: Annotated[str | None, Header()] = None
+) -> None:
     settings: Settings = request.app.state.settings
     token = settings.admin_token
     if not token:
@@ -38,6 +40,7 @@ def require_admin(request: Request, authorization: Annotated[str | None, Header(
             "admin routes need the header 'Authorization: Bearer <FLEETCACHE_ADMIN_TOKEN>'",
             param="Authorization",
             type="authentication_error",
+            headers={"WWW-Authenticate": "Bearer"},
         )
 
 

@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from proxy.dashboard import dashboard_html
 from proxy.deps import ServicesDep, not_started_reason
 from proxy.errors import error_response
-from proxy.stats import build_stats, readiness
+from proxy.stats import build_stats
 
 router = APIRouter(tags=["operators"])
 
@@ -31,7 +31,7 @@ async def readyz(request: Request) -> Response:
     services = request.app.state.services
     if services is None:
         return error_response(503, not_started_reason(request), type="not_ready")
-    ready, reason = readiness(services)
+    ready, reason = services.ready
     if not ready:
         return error_response(503, reason, type="not_ready")
     return Response('{"status":"ready"}', media_type="application/json")
