@@ -5,6 +5,7 @@ constraint filtering, crash-safe snapshots), ``GeoGrid`` (the spatial index it u
 ``BatchingEmbedding`` (a LlamaIndex embedding over any LangChain-style ``Embeddings``).
 """
 
+from indexes import gpu
 from indexes.embedding import BatchingEmbedding, EmbeddingsLike
 from indexes.errors import FleetIndexError, SnapshotError, UnsupportedFilterError, VectorError
 from indexes.geo import GeoGrid
@@ -23,5 +24,6 @@ __all__ = [
     "UnsupportedFilterError",
     "VectorError",
     "driver_node",
+    "gpu",
     "record_from_node",
 ]

@@ -1,13 +1,21 @@
 """Crash-safe snapshots of the fleet index in a directory.
 
-Layout (``dir`` is what ``FleetVectorStore.save`` is given)::
+Layout (``dir`` is what ``FleetVectorStore.save`` is given), format 2::
 
     dir/CURRENT                      name of the live snapshot, e.g. "snapshot-00000007"
     dir/snapshot-00000007/
-        index.faiss                  faiss.write_index of the IndexIDMap2(IndexFlatIP(dim))
-        records.jsonl                one DriverRecord.model_dump(mode="json") per line
-        meta.json                    {"format", "dim", "next_id", "count", "faiss_ids"}
-                                     (faiss_ids[i] is the FAISS id of records.jsonl line i)
+        vectors.npy                  float32 (count, dim): row i is driver i's unit vector
+        columns.npz                  per-driver columns (``Columns``, ts aside) plus offsets
+                                     (count + 1 byte offsets into records.bin)
+        records.bin                  the drivers' record JSON, back to back
+        ids.json                     {"driver_ids", "vehicle_ids", "ts": {row: ISO time}}
+        meta.json                    {"format": 2, "dim", "next_id", "count", "statuses",
+                                      "constraints"} (the names behind status codes and
+                                     constraint bits)
+
+Loading reads arrays and one blob: no record is parsed (the store parses a record when it is
+read). Format 1 (``index.faiss`` of an IndexIDMap2, ``records.jsonl``, ``faiss_ids`` in
+meta.json) still loads, parsing every record; any other format is a ``SnapshotError``.
 
 A save writes a complete new ``snapshot-N`` directory (every file fsynced), then points
 ``CURRENT`` at it with ``os.replace`` (atomic), then removes older snapshot directories. A crash
@@ -19,38 +27,51 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
+from typing import IO, Any, get_args
 
 import faiss
 import numpy as np
 import numpy.typing as npt
 from pydantic import ValidationError
 
-from features.models import DriverRecord
+from features.models import DriverRecord, Status
+from indexes.columns import Columns
 from indexes.errors import SnapshotError
 
-FORMAT = 1
+FORMAT = 2
 CURRENT = "CURRENT"
 PREFIX = "snapshot-"
-INDEX_FILE = "index.faiss"
-RECORDS_FILE = "records.jsonl"
+VECTORS_FILE = "vectors.npy"
+COLUMNS_FILE = "columns.npz"
+RECORDS_FILE = "records.bin"
+IDS_FILE = "ids.json"
 META_FILE = "meta.json"
+# Format 1
+V1_INDEX_FILE = "index.faiss"
+V1_RECORDS_FILE = "records.jsonl"
 
 
 @dataclass(frozen=True)
 class Snapshot:
-    """Everything a store is rebuilt from. ``index`` is an IndexIDMap2 no one else mutates."""
+    """Everything a store is rebuilt from; row i of every part belongs to driver_ids[i]."""
 
     dim: int
     next_id: int
-    index: faiss.IndexIDMap2
-    records: list[DriverRecord]
-    faiss_ids: list[int]
+    vectors: npt.NDArray[np.float32]  # (count, dim); memory-mapped when read
+    driver_ids: list[str]
+    vehicle_ids: list[str]
+    records: list[bytes]  # record JSON
+    columns: Columns
+    statuses: tuple[str, ...]  # status code -> name
+    constraints: tuple[str, ...]  # constraint bit -> name
 
 
 def write(root: Path, snap: Snapshot) -> Path:
@@ -88,20 +109,15 @@ def read(root: Path) -> Snapshot | None:
     path = root / name
     try:
         meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
-        if meta.get("format") != FORMAT:
-            raise SnapshotError(f"{path}: unknown snapshot format {meta.get('format')!r}")
-        index = faiss.read_index(str(path / INDEX_FILE))
-        if not isinstance(index, faiss.IndexIDMap2):
-            raise SnapshotError(f"{path}: {INDEX_FILE} holds a {type(index).__name__}")
-        with (path / RECORDS_FILE).open("rb") as fh, _gc_paused():
-            records = [DriverRecord.model_validate_json(line) for line in fh if line.strip()]
-        snap = Snapshot(
-            dim=int(meta["dim"]),
-            next_id=int(meta["next_id"]),
-            index=index,
-            records=records,
-            faiss_ids=[int(i) for i in meta["faiss_ids"]],
-        )
+        fmt = meta.get("format")
+        if fmt == FORMAT:
+            snap = _read_v2(path, meta)
+        elif fmt == 1:
+            snap = _read_v1(path, meta)
+        else:
+            raise SnapshotError(
+                f"{path}: unknown snapshot format {fmt!r} (this version reads formats 1 and 2)"
+            )
     except SnapshotError:
         raise
     except (OSError, RuntimeError, ValueError, KeyError, TypeError, ValidationError) as exc:
@@ -110,10 +126,139 @@ def read(root: Path) -> Snapshot | None:
     return snap
 
 
+# -- format 2 ---------------------------------------------------------------------------------
+
+
+def _write_files(target: Path, snap: Snapshot) -> None:
+    _write_with(target / VECTORS_FILE, lambda fh: np.save(fh, snap.vectors))
+    lengths = np.fromiter((len(r) for r in snap.records), dtype=np.int64, count=len(snap.records))
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    cols = {k: v for k, v in snap.columns.arrays().items() if k != "ts"}
+    cols["offsets"] = offsets
+    _write_with(target / COLUMNS_FILE, lambda fh: np.savez(fh, allow_pickle=False, **cols))
+    _write_durably(target / RECORDS_FILE, b"".join(snap.records))
+    moved_ts = {
+        str(row): ts.isoformat()
+        for row in np.flatnonzero(snap.columns.moved).tolist()
+        if (ts := snap.columns.ts[row]) is not None
+    }
+    ids = {"driver_ids": snap.driver_ids, "vehicle_ids": snap.vehicle_ids, "ts": moved_ts}
+    _write_durably(target / IDS_FILE, json.dumps(ids).encode())
+    meta = {
+        "format": FORMAT,
+        "dim": snap.dim,
+        "next_id": snap.next_id,
+        "count": len(snap.driver_ids),
+        "statuses": list(snap.statuses),
+        "constraints": list(snap.constraints),
+    }
+    _write_durably(target / META_FILE, json.dumps(meta).encode())
+
+
+def _read_v2(path: Path, meta: dict[str, Any]) -> Snapshot:
+    count, dim = int(meta["count"]), int(meta["dim"])
+    vectors = np.load(path / VECTORS_FILE, mmap_mode="r")
+    if vectors.dtype != np.float32 or vectors.shape != (count, dim):
+        raise SnapshotError(
+            f"{path}: {VECTORS_FILE} holds {vectors.dtype} {vectors.shape}, "
+            f"expected float32 ({count}, {dim})"
+        )
+    with np.load(path / COLUMNS_FILE) as npz:
+        arrays = {name: npz[name] for name in npz.files}
+    offsets = arrays.pop("offsets")
+    ids = json.loads((path / IDS_FILE).read_bytes())
+    ts = np.full(count, None, dtype=object)
+    for row, iso in ids["ts"].items():
+        ts[int(row)] = datetime.fromisoformat(iso)
+    columns = Columns(ts=ts, **arrays)
+    for name, a in columns.arrays().items():
+        if len(a) != count:
+            raise SnapshotError(f"{path}: column {name} has {len(a)} rows, expected {count}")
+    blob = (path / RECORDS_FILE).read_bytes()
+    if len(offsets) != count + 1 or offsets[0] != 0 or offsets[-1] != len(blob):
+        raise SnapshotError(
+            f"{path}: {RECORDS_FILE} holds {len(blob)} bytes, its offsets say {offsets[-1:]}"
+        )
+    if (np.diff(offsets) < 0).any():
+        raise SnapshotError(f"{path}: {RECORDS_FILE} offsets go backwards")
+    bounds = offsets.tolist()
+    with _gc_paused():
+        records = [blob[a:b] for a, b in itertools.pairwise(bounds)]
+    return Snapshot(
+        dim=dim,
+        next_id=int(meta["next_id"]),
+        vectors=vectors,
+        driver_ids=ids["driver_ids"],
+        vehicle_ids=ids["vehicle_ids"],
+        records=records,
+        columns=columns,
+        statuses=tuple(meta["statuses"]),
+        constraints=tuple(meta["constraints"]),
+    )
+
+
+# -- format 1 (read only) ---------------------------------------------------------------------
+
+
+def _read_v1(path: Path, meta: dict[str, Any]) -> Snapshot:
+    index = faiss.read_index(str(path / V1_INDEX_FILE))
+    if not isinstance(index, faiss.IndexIDMap2):
+        raise SnapshotError(f"{path}: {V1_INDEX_FILE} holds a {type(index).__name__}")
+    with (path / V1_RECORDS_FILE).open("rb") as fh, _gc_paused():
+        lines = [line.rstrip(b"\n") for line in fh if line.strip()]
+        records = [DriverRecord.model_validate_json(line) for line in lines]
+    fids = [int(i) for i in meta["faiss_ids"]]
+    stored = faiss.vector_to_array(index.id_map).astype(np.int64).tolist()
+    if not len(records) == len(fids) == index.ntotal or set(fids) != set(stored):
+        raise SnapshotError(
+            f"{path}: {len(records)} records, {len(fids)} ids, {index.ntotal} vectors "
+            "(or FAISS ids that do not match the id map)"
+        )
+    row_of = {fid: row for row, fid in enumerate(stored)}
+    flat = faiss.downcast_index(index.index)
+    vectors = flat.reconstruct_n(0, index.ntotal)[[row_of[f] for f in fids]]
+    statuses: tuple[str, ...] = get_args(Status)
+    columns = Columns.empty(len(records))
+    bits = np.zeros(len(records), dtype=np.uint64)  # no vocabulary below: the store computes
+    code = {s: i for i, s in enumerate(statuses)}
+    fields = Columns.fields_of(records, bits, code)
+    columns.put(np.arange(len(records)), np.asarray(fids, dtype=np.int64), fields)
+    return Snapshot(
+        dim=int(meta["dim"]),
+        next_id=int(meta["next_id"]),
+        vectors=np.ascontiguousarray(vectors.reshape(len(records), index.d), dtype=np.float32),
+        driver_ids=[r.driver_id for r in records],
+        vehicle_ids=[r.vehicle.vehicle_id for r in records],
+        records=lines,
+        columns=columns,
+        statuses=statuses,
+        constraints=(),
+    )
+
+
+# -- checks and files -------------------------------------------------------------------------
+
+
+def _check(path: Path, snap: Snapshot) -> None:
+    n = len(snap.driver_ids)
+    if len(snap.vehicle_ids) != n or len(snap.records) != n:
+        raise SnapshotError(f"{path}: {n} driver ids, {len(snap.records)} records")
+    # Duplicate driver ids are caught by the store while it builds its id map.
+    fid = np.sort(snap.columns.fid)
+    if n and ((np.diff(fid) == 0).any() or fid[0] < 0 or fid[-1] >= snap.next_id):
+        raise SnapshotError(f"{path}: vector ids repeat or lie outside [0, {snap.next_id})")
+    status = snap.columns.status
+    if n and (status.min() < 0 or status.max() >= len(snap.statuses)):
+        raise SnapshotError(f"{path}: status codes outside {list(snap.statuses)}")
+    lat, lng = snap.columns.lat, snap.columns.lng
+    if not ((lat >= -90.0) & (lat <= 90.0) & (lng >= -180.0) & (lng <= 180.0)).all():
+        raise SnapshotError(f"{path}: positions out of range")
+
+
 @contextlib.contextmanager
 def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic GC while many records are built: its full passes walk every object
-    built so far (4x slower for 10,000 records). Records hold no cycles."""
+    """Pause the cyclic GC while many objects are built: its full passes walk every object
+    built so far (4x slower for 10,000 records). Nothing built here holds a cycle."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -121,42 +266,6 @@ def _gc_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
-
-
-def stored_ids(index: faiss.IndexIDMap2) -> npt.NDArray[np.int64]:
-    return faiss.vector_to_array(index.id_map).astype(np.int64, copy=False)
-
-
-def _check(path: Path, snap: Snapshot) -> None:
-    index = snap.index
-    if index.d != snap.dim:
-        raise SnapshotError(f"{path}: index dim {index.d} but meta says {snap.dim}")
-    ids = snap.faiss_ids
-    if not len(snap.records) == len(ids) == index.ntotal:
-        raise SnapshotError(
-            f"{path}: {len(snap.records)} records, {len(ids)} ids, {index.ntotal} vectors"
-        )
-    if len(set(ids)) != len(ids) or set(ids) != set(stored_ids(index).tolist()):
-        raise SnapshotError(f"{path}: FAISS ids do not match the id map")
-    if ids and (min(ids) < 0 or max(ids) >= snap.next_id):
-        raise SnapshotError(f"{path}: ids outside [0, next_id={snap.next_id})")
-    if len({r.driver_id for r in snap.records}) != len(snap.records):
-        raise SnapshotError(f"{path}: duplicate driver_id in {RECORDS_FILE}")
-
-
-def _write_files(target: Path, snap: Snapshot) -> None:
-    faiss.write_index(snap.index, str(target / INDEX_FILE))
-    _fsync(target / INDEX_FILE)
-    lines = b"".join(r.model_dump_json().encode() + b"\n" for r in snap.records)
-    _write_durably(target / RECORDS_FILE, lines)
-    meta = {
-        "format": FORMAT,
-        "dim": snap.dim,
-        "next_id": snap.next_id,
-        "count": len(snap.records),
-        "faiss_ids": snap.faiss_ids,
-    }
-    _write_durably(target / META_FILE, json.dumps(meta).encode())
 
 
 def _current_name(root: Path) -> str | None:
@@ -192,8 +301,12 @@ def _remove_snapshots(root: Path, keep: str | None) -> None:
 
 
 def _write_durably(path: Path, data: bytes) -> None:
+    _write_with(path, lambda fh: fh.write(data))
+
+
+def _write_with(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     with path.open("wb") as fh:
-        fh.write(data)
+        write(fh)
         fh.flush()
         os.fsync(fh.fileno())
 

@@ -1,16 +1,26 @@
 """The live-fleet vector index: a LlamaIndex vector store on FAISS with real upsert and delete.
 
-Every driver holds one *slot* (a row of the column arrays below, reused after a delete) and
-one *FAISS id* (int64 from a persisted counter that only grows, so an id is never handed out
-twice: the stock FaissMapVectorStore reuses ``ntotal`` and hides live documents, FACTS.md).
-Replacing a driver's vector removes its old FAISS id and adds the new vector under a new id.
+Every driver holds one *slot*: a row of a FAISS ``IndexFlatIP`` (the one copy of its vector,
+scored in place) and of the numpy columns below. Slots are dense: a delete moves the last row
+into the freed one (swap-remove, O(dim)), a replace overwrites the row in place, an insert
+appends; nothing is O(fleet). Each vector also gets an *id* from a persisted counter that only
+grows (``vector_ids``), so an id is never handed out twice: the stock FaissMapVectorStore
+reuses ``ntotal`` and hides live documents (FACTS.md).
 
-Per slot we keep the record, a float32 mirror of its FAISS vector, its status code, its cargo
-limits, and the value of every named constraint, so ``recommend`` is a handful of numpy
-operations over the drivers the ``GeoGrid`` finds in the radius, never a Python loop over the
-fleet. Positions and statuses change in place (``update_driver``, batched
-``update_positions``) without touching vectors: the columns and the grid are updated at once,
-while the record of a moved driver is rebuilt lazily (``_stale``), the next time it is read.
+Records are kept as the JSON bytes they were upserted with and parsed only when one is read
+(``get_driver``, ``query``); what ``recommend`` needs lives in columns: status code,
+position, cargo limits, one bit per named constraint, driver and vehicle id. The ``GeoGrid``
+holds the *available* drivers only (the only ones ``recommend`` looks at): a status change
+inserts or removes the driver there. ``update_driver`` and the batched ``update_positions``
+change the columns and the grid, never the vectors nor the JSON: a record read later gets its
+live status and position laid over the stored JSON (``_record``).
+
+``recommend`` is a handful of numpy operations over the slots the grid finds near the pickup
+(exact haversine, then constraint bits and cargo), then one FAISS inner-product call over the
+surviving rows, by index, without copying them.
+
+With faiss-gpu and a GPU, unrestricted ``query`` searches a GPU replica of the flat index,
+rebuilt after vectors change (``gpu=True`` requires it, ``None`` uses it when present).
 
 The store is meant for one thread (the proxy's event loop); an internal lock also makes
 ``save`` from a worker thread safe (it copies the state under the lock, then writes without it).
@@ -40,17 +50,24 @@ from pydantic import PrivateAttr
 
 from features.constraints import CONSTRAINTS, check_constraints
 from features.models import DriverRecord, Order, Position, Status
-from indexes import snapshot
+from indexes import gpu, snapshot
+from indexes.columns import Columns
 from indexes.errors import FleetIndexError, SnapshotError, VectorError
 from indexes.geo import GeoGrid
 from indexes.nodes import compile_filters, driver_node, record_from_node
 
 Vectors = npt.NDArray[np.float32]
+Slots = npt.NDArray[np.int64]
 
-_STATUS_CODE: dict[str, int] = {s: i for i, s in enumerate(get_args(Status))}
+STATUSES: tuple[str, ...] = get_args(Status)
+_STATUS_CODE: dict[str, int] = {s: i for i, s in enumerate(STATUSES)}
 _AVAILABLE = _STATUS_CODE["available"]
-_FREE = -1  # status code of an unused slot
 _UNIT_TOLERANCE = 1e-3  # |norm - 1| allowed: inner product is cosine only on unit vectors
+_MAX_BITS = 64  # constraints with a column bit; any further one is evaluated on records
+# Grid cells of 0.02 degrees (2.2 km north-south): at a million drivers around six cities a
+# 3 km query visits ~16 cells holding about twice the drivers in the circle; 0.05 degrees
+# gathered (and distance-tested) 5 to 10 times them.
+CELL_DEG = 0.02
 
 
 @dataclass(frozen=True)
@@ -81,39 +98,27 @@ class FleetVectorStore(BasePydanticVectorStore):
     _dim: int = PrivateAttr()
     _lock: threading.RLock = PrivateAttr(default_factory=threading.RLock)
     _save_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
-    _index: faiss.IndexIDMap2 = PrivateAttr()
+    _flat: faiss.IndexFlatIP = PrivateAttr()
+    _replica: gpu.Replica | None = PrivateAttr(default=None)
     _next_id: int = PrivateAttr(default=0)
-    _grid: GeoGrid = PrivateAttr()
+    _grid: GeoGrid = PrivateAttr()  # available drivers only
     _constraints: tuple[str, ...] = PrivateAttr()
     _slot_of: dict[str, int] = PrivateAttr(default_factory=dict)
-    _slot_of_fid: dict[int, int] = PrivateAttr(default_factory=dict)
-    _records: list[DriverRecord | None] = PrivateAttr(default_factory=list)
-    _free: list[int] = PrivateAttr(default_factory=list)
-    _fid: npt.NDArray[np.int64] = PrivateAttr()
-    _vectors: Vectors = PrivateAttr()
-    _status: npt.NDArray[np.int8] = PrivateAttr()
-    _cargo: npt.NDArray[np.float64] = PrivateAttr()  # capacity_kg, cargo_volume_m3, height
-    _cbits: npt.NDArray[np.bool_] = PrivateAttr()  # [slot, constraint] -> satisfied
-    # True when the slot's record predates a batched move: its position is (grid lat/lng,
-    # _ts[slot]); _record() rebuilds it on the next read.
-    _stale: npt.NDArray[np.bool_] = PrivateAttr()
-    _ts: npt.NDArray[np.object_] = PrivateAttr()  # position timestamp of stale slots
+    _ids: list[str] = PrivateAttr(default_factory=list)  # slot -> driver_id
+    _vehicles: list[str] = PrivateAttr(default_factory=list)  # slot -> vehicle_id
+    _json: list[bytes] = PrivateAttr(default_factory=list)  # slot -> record as upserted
+    _cols: Columns = PrivateAttr()
 
-    def __init__(self, dim: int, *, cell_deg: float = 0.05) -> None:
+    def __init__(self, dim: int, *, cell_deg: float = CELL_DEG, gpu: bool | None = None) -> None:
         super().__init__(stores_text=True)
         if isinstance(dim, bool) or not isinstance(dim, int | np.integer) or dim <= 0:
             raise ValueError(f"dim must be a positive int, got {dim!r}")
         self._dim = dim = int(dim)
-        self._index = faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
+        self._flat = faiss.IndexFlatIP(dim)
+        self._replica = _replica_for(gpu)
         self._grid = GeoGrid(cell_deg)
-        self._constraints = tuple(CONSTRAINTS)
-        self._fid = np.full(0, -1, dtype=np.int64)
-        self._vectors = np.zeros((0, dim), dtype=np.float32)
-        self._status = np.full(0, _FREE, dtype=np.int8)
-        self._cargo = np.zeros((0, 3))
-        self._cbits = np.zeros((0, len(self._constraints)), dtype=bool)
-        self._stale = np.zeros(0, dtype=bool)
-        self._ts = np.full(0, None, dtype=object)
+        self._constraints = tuple(CONSTRAINTS)[:_MAX_BITS]
+        self._cols = Columns.empty(0)
 
     @classmethod
     def class_name(cls) -> str:
@@ -125,8 +130,13 @@ class FleetVectorStore(BasePydanticVectorStore):
     def dim(self) -> int:
         return self._dim
 
+    @property
+    def on_gpu(self) -> bool:
+        """Whether unrestricted ``query`` searches run on a GPU replica."""
+        return self._replica is not None
+
     def __len__(self) -> int:
-        return len(self._slot_of)
+        return len(self._ids)
 
     def __bool__(self) -> bool:
         # An empty store is still a store: LlamaIndex tests `if vector_store:` and would
@@ -143,17 +153,26 @@ class FleetVectorStore(BasePydanticVectorStore):
         return driver_id in self._slot_of
 
     def driver_ids(self) -> list[str]:
-        return list(self._slot_of)
+        return list(self._ids)
+
+    def vector_ids(self) -> list[int]:
+        """The id of each live vector, in slot order. Ids come from a counter that only grows:
+        a new or replaced vector always gets an id never seen before (persisted by ``save``)."""
+        with self._lock:
+            return self._cols.fid[: len(self)].tolist()
 
     def get_driver(self, driver_id: str) -> DriverRecord | None:
-        with self._lock:
-            slot = self._slot_of.get(driver_id)
+        """The driver's current record, or None if unknown."""
+        priv: Any = self.__pydantic_private__  # see _record
+        with priv["_lock"]:
+            slot = priv["_slot_of"].get(driver_id)
             return None if slot is None else self._record(slot)
 
     def get_vector(self, driver_id: str) -> Vectors | None:
         """A copy of the driver's stored (unit) vector."""
-        slot = self._slot_of.get(driver_id)
-        return None if slot is None else self._vectors[slot].copy()
+        with self._lock:
+            slot = self._slot_of.get(driver_id)
+            return None if slot is None else self._rows()[slot].copy()
 
     def upsert_drivers(self, records: Sequence[DriverRecord], vectors: npt.ArrayLike) -> None:
         """Insert or replace drivers with their unit vectors (row i belongs to records[i]).
@@ -172,21 +191,41 @@ class FleetVectorStore(BasePydanticVectorStore):
             recs, vecs = [recs[i] for i in rows], vecs[rows]
         if not recs:
             return
-        bits = self._constraint_bits(recs)
-        with self._lock:
-            slot_of, fid_of = self._slot_of, self._fid
-            old_fids = [int(fid_of[s]) for r in recs if (s := slot_of.get(r.driver_id)) is not None]
-            new_fids = np.arange(self._next_id, self._next_id + len(recs), dtype=np.int64)
-            # Add before removing: should FAISS fail to add, nothing has changed yet.
-            self._index.add_with_ids(vecs, new_fids)
+        blobs = [rec.model_dump_json().encode() for rec in recs]
+        fields = Columns.fields_of(recs, self._constraint_bits(recs), _STATUS_CODE)
+        priv: Any = self.__pydantic_private__  # see _record
+        with priv["_lock"]:
+            slot_of, ids, vehicles, json = (
+                priv["_slot_of"],
+                priv["_ids"],
+                priv["_vehicles"],
+                priv["_json"],
+            )
+            n = len(ids)
+            slots = np.fromiter(
+                (slot_of.get(r.driver_id, -1) for r in recs), dtype=np.int64, count=len(recs)
+            )
+            old = np.flatnonzero(slots >= 0)
+            new = np.flatnonzero(slots < 0)
+            # Add first: should FAISS fail to add, nothing has changed yet.
+            priv["_flat"].add(vecs[new])
+            self._rows()[slots[old]] = vecs[old]  # a replaced vector is overwritten in place
+            self._vectors_changed()
+            slots[new] = np.arange(n, n + new.size)
+            for i in old.tolist():
+                vehicles[slots[i]] = recs[i].vehicle.vehicle_id
+                json[slots[i]] = blobs[i]
+            for i, rec in zip(new.tolist(), (recs[i] for i in new.tolist()), strict=True):
+                slot_of[rec.driver_id] = n
+                ids.append(rec.driver_id)
+                vehicles.append(rec.vehicle.vehicle_id)
+                json.append(blobs[i])
+                n += 1
+            fids = np.arange(self._next_id, self._next_id + len(recs), dtype=np.int64)
             self._next_id += len(recs)
-            if old_fids:
-                self._index.remove_ids(faiss.IDSelectorBatch(np.asarray(old_fids, dtype=np.int64)))
-                slot_of_fid = self._slot_of_fid
-                for fid in old_fids:
-                    del slot_of_fid[fid]
-            slots = self._slots_for([r.driver_id for r in recs])
-            self._place(slots, recs, vecs, new_fids, bits)
+            cols = priv["_cols"] = priv["_cols"].grown(n)
+            cols.put(slots, fids, fields)
+            self._sync_grid(slots)
 
     def update_driver(
         self, driver_id: str, *, position: Position | None = None, status: str | None = None
@@ -196,30 +235,33 @@ class FleetVectorStore(BasePydanticVectorStore):
             raise ValueError(f"status must be one of {', '.join(_STATUS_CODE)}, got {status!r}")
         if position is not None and type(position) is not Position:
             position = Position.model_validate(position)
-        # The hot path of PATCH: private attributes of a pydantic model cost a __getattr__
-        # call each, so they are read once from the private dict.
-        priv: Any = self.__pydantic_private__
+        priv: Any = self.__pydantic_private__  # see _record
         with priv["_lock"]:
             slot = priv["_slot_of"].get(driver_id)
             if slot is None:
                 raise KeyError(driver_id)
             record = self._record(slot)
+            cols = priv["_cols"]
             changes: dict[str, Any] = {}
             if position is not None:
                 changes["position"] = position
+                cols.lat[slot], cols.lng[slot] = position.lat, position.lng
+                cols.moved[slot] = True
+                cols.ts[slot] = position.ts
             if status is not None:
                 changes["status"] = status
             if not changes:
                 return record
             record = record.model_copy(update=changes)
-            priv["_records"][slot] = record
             if status is not None:
-                priv["_status"][slot] = _STATUS_CODE[status]
+                cols.status[slot] = _STATUS_CODE[status]
                 # Constraints read the slowly-changing parts today; recomputed on a status
                 # change anyway, so a constraint on status could not go stale.
-                priv["_cbits"][slot] = self._constraint_bits([record])[0]
-            if position is not None:
-                priv["_grid"].move(slot, position.lat, position.lng)
+                cols.cbits[slot] = self._constraint_bits([record])[0]
+            if cols.status[slot] == _AVAILABLE:
+                priv["_grid"].move(slot, cols.lat[slot], cols.lng[slot])
+            else:
+                priv["_grid"].remove(slot)
             return record
 
     def update_positions(
@@ -233,8 +275,7 @@ class FleetVectorStore(BasePydanticVectorStore):
         for each, one ``ts`` for the batch). All-or-nothing: a KeyError for an unknown driver
         or a ValueError for a bad position changes nothing. A repeated driver: the last wins.
 
-        Vectorised: the grid and the columns change now, each moved driver's record is
-        rebuilt when it is next read (``get_driver`` returns exactly that record).
+        Vectorised: only the grid cells and two columns change; records are not touched.
         """
         la = np.asarray(lats, dtype=np.float64)
         ln = np.asarray(lngs, dtype=np.float64)
@@ -243,18 +284,23 @@ class FleetVectorStore(BasePydanticVectorStore):
             raise ValueError(f"{len(ids)} ids, lats of shape {la.shape}, lngs of {ln.shape}")
         if ts is not None:
             ts = Position(lat=0.0, lng=0.0, ts=ts).ts  # validated as PATCH would
+        if not ((la >= -90.0) & (la <= 90.0) & (ln >= -180.0) & (ln <= 180.0)).all():
+            raise ValueError("positions out of range (or not finite)")
         if not ids:
             return
-        priv: Any = self.__pydantic_private__
+        priv: Any = self.__pydantic_private__  # see _record
         with priv["_lock"]:
             slot_of = priv["_slot_of"]
             try:
                 slots = np.fromiter((slot_of[d] for d in ids), dtype=np.int64, count=len(ids))
             except KeyError as exc:
                 raise KeyError(exc.args[0]) from None
-            priv["_grid"].move_many(slots, la, ln)  # validates before changing anything
-            priv["_ts"][slots] = ts
-            priv["_stale"][slots] = True
+            cols = priv["_cols"]
+            cols.lat[slots] = la  # numpy assigns in order: for a repeated id the last stays
+            cols.lng[slots] = ln
+            cols.moved[slots] = True
+            cols.ts[slots] = ts
+            self._sync_grid(np.unique(slots))
 
     def delete_driver(self, driver_id: str) -> bool:
         with self._lock:
@@ -268,50 +314,64 @@ class FleetVectorStore(BasePydanticVectorStore):
         """Candidates for ``order`` by the rules of API.md (``POST /v1/dispatch/recommend``)."""
         names = check_constraints(order.constraints)
         q = self._check_query(query)
-        with self._lock:
-            slots, dist = self._grid.within_distances(
-                order.pickup.lat, order.pickup.lng, order.radius_km
-            )
-            available = self._status[slots] == _AVAILABLE
-            slots, dist = slots[available], dist[available]
+        lat, lng, radius = order.pickup.lat, order.pickup.lng, order.radius_km
+        priv: Any = self.__pydantic_private__  # see _record
+        with priv["_lock"]:
+            grid = priv["_grid"]
+            slots = grid.near(lat, lng, radius)  # available; ascending: rows read in order
+            dist = grid.distances(slots, lat, lng)
+            inside = dist <= radius
+            slots, dist = slots[inside], dist[inside]
             considered = int(slots.size)
-            keep = self._eligible(slots, names, order)
+            keep = self._eligible(slots, names, order)  # status: the grid holds available only
             slots, dist = slots[keep], dist[keep]
-            # Similarity over the candidates only: gather their rows of the float32 mirror of
-            # the FAISS vectors and score them with FAISS's own kernel (one call). Exact (the
-            # float32 values FAISS holds), O(candidates x dim), every candidate gets a score
-            # (the tie rules need them all), and each score is bit-identical to what an
-            # unrestricted FAISS search reports for that driver, whichever rows come along.
-            # Rejected: a search with an IDSelectorBatch scans the whole flat index, returns
-            # only its own top-k with ties unordered, and rounds differently; numpy's
-            # matrix-vector product (BLAS) rounds a row differently depending on its place in
-            # the batch, so a driver's score would drift from one order to the next.
-            sims = _inner_products(self._vectors[slots], q)
+            # Every candidate gets a score (the tie rules need them all), computed in place in
+            # the flat index by FAISS's own kernel: bit-identical to what a FAISS search of the
+            # whole index reports for that driver (numpy's BLAS would round a row differently
+            # depending on its place in the batch).
+            sims = _inner_products(self._rows(), q, slots)
             return Recommendation(self._top(slots, sims, dist, order.k), considered)
 
     def save(self, directory: Path | str) -> None:
         """Write a crash-safe snapshot (layout in ``indexes.snapshot``).
 
-        The state is copied under the store's lock (a few ms for 10,000 drivers); the files are
-        written without it, so a save from a worker thread does not block the event loop's
-        calls. Saves of one store are serialised.
+        Rows are written in grid-cell order, so a loaded store holds neighbours' vectors next
+        to each other: ``recommend`` then reads its candidates' rows in a few runs instead of
+        scattered over the whole matrix (measured 2x faster at 1,000,000 drivers). Upserts
+        append and moves keep rows, so a live store drifts from that order until it is
+        saved and loaded again.
+
+        The state is copied under the store's lock (vectors and columns: one to two seconds for
+        1,000,000 drivers); the files are written without it, so a save from a worker thread
+        does not block the event loop's calls for the writing. Saves of one store are
+        serialised.
         """
         with self._save_lock:
             with self._lock:
-                live = list(self._slot_of.values())
+                n = len(self)
+                cols = self._cols
+                order = np.argsort(self._grid.cell_keys(cols.lat[:n], cols.lng[:n]), kind="stable")
+                rows = order.tolist()
+                ids, vehicles, blobs = self._ids, self._vehicles, self._json  # locals: see _record
                 snap = snapshot.Snapshot(
                     dim=self._dim,
                     next_id=self._next_id,
-                    index=_clone(self._index),
-                    records=[self._record(s) for s in live],
-                    faiss_ids=self._fid[live].tolist(),
+                    vectors=self._rows()[order],
+                    driver_ids=[ids[i] for i in rows],
+                    vehicle_ids=[vehicles[i] for i in rows],
+                    records=[blobs[i] for i in rows],
+                    columns=cols.take(order),
+                    statuses=STATUSES,
+                    constraints=self._constraints,
                 )
             snapshot.write(Path(directory), snap)
 
     @classmethod
-    def load(cls, directory: Path | str, dim: int, *, cell_deg: float = 0.05) -> FleetVectorStore:
+    def load(
+        cls, directory: Path | str, dim: int, *, cell_deg: float = CELL_DEG, gpu: bool | None = None
+    ) -> FleetVectorStore:
         """The store saved in ``directory``; an empty store when there is no snapshot."""
-        store = cls(dim, cell_deg=cell_deg)
+        store = cls(dim, cell_deg=cell_deg, gpu=gpu)
         snap = snapshot.read(Path(directory))
         if snap is None:
             return store
@@ -326,9 +386,9 @@ class FleetVectorStore(BasePydanticVectorStore):
     # -- LlamaIndex API ------------------------------------------------------------------------
 
     @property
-    def client(self) -> faiss.IndexIDMap2:
-        """The FAISS index (read it, don't mutate it: the store's maps must stay in step)."""
-        return self._index
+    def client(self) -> faiss.IndexFlatIP:
+        """The FAISS index, row i = slot i (read it, don't mutate it)."""
+        return self._flat
 
     def add(self, nodes: Sequence[BaseNode], **add_kwargs: Any) -> list[str]:
         """Upsert driver nodes: ``id_`` is the driver_id, the record is in the metadata."""
@@ -366,7 +426,7 @@ class FleetVectorStore(BasePydanticVectorStore):
     def clear(self) -> None:
         """Remove every driver. The id counter keeps counting: ids are never reused."""
         with self._lock:
-            self._delete_slots(list(self._slot_of.values()))
+            self._delete_slots(list(range(len(self))))
 
     def query(self, query: VectorStoreQuery, **kwargs: Any) -> VectorStoreQueryResult:
         """Top ``similarity_top_k`` by inner product (cosine), optionally restricted to
@@ -414,6 +474,18 @@ class FleetVectorStore(BasePydanticVectorStore):
 
     # -- internals -----------------------------------------------------------------------------
 
+    def _vectors_changed(self) -> None:
+        if self._replica is not None:
+            self._replica.invalidate()
+
+    def _rows(self) -> Vectors:
+        """The flat index's vectors as a numpy view (valid until the index next grows)."""
+        n = self._flat.ntotal
+        if n == 0:
+            return np.zeros((0, self._dim), dtype=np.float32)
+        flat = faiss.rev_swig_ptr(self._flat.get_xb(), n * self._dim)
+        return flat.reshape(n, self._dim)
+
     def _check_vectors(self, vectors: npt.ArrayLike, n: int) -> Vectors:
         try:
             arr = np.ascontiguousarray(vectors, dtype=np.float32)
@@ -439,158 +511,125 @@ class FleetVectorStore(BasePydanticVectorStore):
             raise VectorError(f"query vector must have shape ({self._dim},), got {arr.shape}")
         return self._check_vectors(arr[None, :], 1)[0]
 
-    def _constraint_bits(self, records: Sequence[DriverRecord]) -> npt.NDArray[np.bool_]:
+    def _constraint_bits(self, records: Sequence[DriverRecord]) -> npt.NDArray[np.uint64]:
         preds = [CONSTRAINTS[name] for name in self._constraints]
-        bits = np.zeros((len(records), len(preds)), dtype=bool)
-        for i, rec in enumerate(records):
-            bits[i] = [pred(rec) for pred in preds]
-        return bits
+        return np.fromiter(
+            (sum(1 << b for b, pred in enumerate(preds) if pred(r)) for r in records),
+            dtype=np.uint64,
+            count=len(records),
+        )
 
     def _record(self, slot: int) -> DriverRecord:
-        """The current record of a slot (rebuilt here if a batched move left it stale)."""
-        record = self._records[slot]
-        assert record is not None, f"slot {slot} is free"
-        if self._stale[slot]:
-            lat, lng = self._grid.position(slot)
-            ts = self._ts[slot]
-            # model_construct: the values were validated by update_positions.
-            position = Position.model_construct(lat=lat, lng=lng, ts=ts)
-            record = record.model_copy(update={"position": position})
-            self._records[slot] = record
-            self._stale[slot] = False
-            self._ts[slot] = None
-        return record
+        """The current record of a slot: the stored JSON with its live status and position."""
+        # Hot paths read private attributes from the private dict: each `self._x` of a
+        # pydantic model is a __getattr__ call (half the cost of a get_driver otherwise).
+        priv: Any = self.__pydantic_private__
+        record = DriverRecord.model_validate_json(priv["_json"][slot])
+        cols = priv["_cols"]
+        changes: dict[str, Any] = {}
+        status = STATUSES[cols.status[slot]]
+        if record.status != status:
+            changes["status"] = status
+        if cols.moved[slot]:
+            # model_construct: the values were validated by update_driver/update_positions.
+            changes["position"] = Position.model_construct(
+                lat=float(cols.lat[slot]), lng=float(cols.lng[slot]), ts=cols.ts[slot]
+            )
+        return record.model_copy(update=changes) if changes else record
 
-    def _base(self, slot: int) -> DriverRecord:
-        """The slot's record, possibly stale: for driver_id, vehicle and profile only."""
-        record = self._records[slot]
-        assert record is not None, f"slot {slot} is free"
-        return record
-
-    def _delete_slots(self, slots: list[int]) -> None:
-        if not slots:
+    def _delete_slots(self, slots: Iterable[int]) -> None:
+        """Swap-remove: the last slot moves into each freed one (largest first, so a slot
+        still to delete is never the one moved)."""
+        order = sorted(set(slots), reverse=True)
+        if not order:
             return
-        fids = self._fid[slots]
-        # One O(ntotal) compaction of the flat index for the whole batch.
-        self._index.remove_ids(faiss.IDSelectorBatch(fids))
-        slot_of, slot_of_fid, records = self._slot_of, self._slot_of_fid, self._records
-        for slot, fid in zip(slots, fids.tolist(), strict=True):
-            del slot_of[self._base(slot).driver_id]
-            del slot_of_fid[fid]
-            self._grid.remove(slot)
-            records[slot] = None
-            self._free.append(slot)
-        self._fid[slots] = -1
-        self._status[slots] = _FREE
-        self._stale[slots] = False
-        self._ts[slots] = None
-
-    def _slots_for(self, driver_ids: list[str]) -> list[int]:
-        """The slot of each driver, allocating slots for new ones (free slots first)."""
-        # Locals: private attributes of a pydantic model cost a __getattr__ call each.
-        slot_of, free, records = self._slot_of, self._free, self._records
-        slots = []
-        for driver_id in driver_ids:
-            slot = slot_of.get(driver_id)
-            if slot is None:
-                if free:
-                    slot = free.pop()
-                else:
-                    slot = len(records)
-                    records.append(None)
-                slot_of[driver_id] = slot
-            slots.append(slot)
-        if len(records) > len(self._fid):
-            self._grow(len(records))
-        return slots
-
-    def _grow(self, need: int) -> None:
-        size = max(need, 2 * len(self._fid), 64)
-
-        def grown(old: npt.NDArray[Any], fill: Any) -> npt.NDArray[Any]:
-            new = np.full((size, *old.shape[1:]), fill, dtype=old.dtype)
-            new[: len(old)] = old
-            return new
-
-        self._fid = grown(self._fid, -1)
-        self._vectors = grown(self._vectors, 0.0)
-        self._status = grown(self._status, _FREE)
-        self._cargo = grown(self._cargo, 0.0)
-        self._cbits = grown(self._cbits, False)
-        self._stale = grown(self._stale, False)
-        self._ts = grown(self._ts, None)
-
-    def _place(
-        self,
-        slots: list[int],
-        records: list[DriverRecord],
-        vectors: Vectors,
-        fids: npt.NDArray[np.int64],
-        bits: npt.NDArray[np.bool_],
-    ) -> None:
-        if not slots:  # an empty snapshot: numpy cannot broadcast [] into (0, 3)
-            return
-        idx = np.asarray(slots, dtype=np.int64)
-        self._fid[idx] = fids
-        self._vectors[idx] = vectors
-        self._status[idx] = [_STATUS_CODE[r.status] for r in records]
-        self._cargo[idx] = [
-            (r.vehicle.capacity_kg, r.vehicle.cargo_volume_m3, r.vehicle.cargo_height_m)
-            for r in records
-        ]
-        self._cbits[idx] = bits
-        self._stale[idx] = False
-        self._ts[idx] = None
-        store, slot_of_fid, move = self._records, self._slot_of_fid, self._grid.move
-        for slot, rec, fid in zip(slots, records, fids.tolist(), strict=True):
-            store[slot] = rec
-            slot_of_fid[fid] = slot
-            move(slot, rec.position.lat, rec.position.lng)
+        rows, cols, grid = self._rows(), self._cols, self._grid
+        ids, vehicles, blobs, slot_of = self._ids, self._vehicles, self._json, self._slot_of
+        for slot in order:
+            last = len(ids) - 1
+            del slot_of[ids[slot]]
+            grid.remove(slot)
+            if slot != last:
+                rows[slot] = rows[last]
+                cols.copy_row(last, slot)
+                moved_id = ids[slot] = ids[last]
+                vehicles[slot] = vehicles[last]
+                blobs[slot] = blobs[last]
+                slot_of[moved_id] = slot
+                if grid.remove(last):
+                    grid.move(slot, cols.lat[slot], cols.lng[slot])
+            cols.clear_row(last)
+            ids.pop()
+            vehicles.pop()
+            blobs.pop()
+        n = len(self._ids)
+        # Truncate the flat index in O(1): its rows past n are the ones moved or deleted.
+        self._flat.codes.resize(n * self._flat.code_size)
+        self._flat.ntotal = n
+        self._vectors_changed()
 
     def _restore(self, snap: snapshot.Snapshot) -> None:
-        """Adopt a snapshot's index and records (into an empty store)."""
-        index = snap.index
-        vectors = np.zeros((0, self._dim), dtype=np.float32)
-        if snap.records:
-            # The mirror is rebuilt from the FAISS file, the one place vectors are stored.
-            row_of = {fid: row for row, fid in enumerate(snapshot.stored_ids(index).tolist())}
-            rows = [row_of[fid] for fid in snap.faiss_ids]
-            flat = faiss.downcast_index(index.index)
-            vectors = np.ascontiguousarray(flat.reconstruct_n(0, index.ntotal)[rows])
+        """Adopt a snapshot (into an empty store)."""
         with self._lock:
-            self._index = index
+            n = len(snap.driver_ids)
+            # Size the flat index once, then copy the (memory-mapped) rows into it: adding
+            # chunk by chunk regrew and copied the whole array ~log2(n) times.
+            self._flat.codes.resize(n * self._flat.code_size)
+            self._flat.ntotal = n
+            rows = self._rows()
+            for start in range(0, n, 65_536):
+                rows[start : start + 65_536] = snap.vectors[start : start + 65_536]
             self._next_id = snap.next_id
-            slots = self._slots_for([r.driver_id for r in snap.records])
-            fids = np.asarray(snap.faiss_ids, dtype=np.int64)
-            self._place(slots, snap.records, vectors, fids, self._constraint_bits(snap.records))
+            self._ids = snap.driver_ids
+            self._vehicles = snap.vehicle_ids
+            self._json = snap.records
+            self._slot_of = dict(zip(snap.driver_ids, range(n), strict=True))
+            if len(self._slot_of) != n:
+                raise SnapshotError(f"snapshot holds a driver_id twice ({n} rows)")
+            self._cols = snap.columns
+            if snap.statuses != STATUSES:  # saved by a version with another status vocabulary
+                self._cols.status[:n] = _status_codes(snap.statuses)[self._cols.status[:n]]
+            self._sync_grid(np.arange(n))
+            if snap.constraints != self._constraints:  # another vocabulary: recompute the bits
+                self._cols.cbits[:n] = self._constraint_bits([self._record(s) for s in range(n)])
+            self._vectors_changed()
 
-    def _eligible(
-        self, slots: npt.NDArray[np.int64], names: list[str], order: Order
-    ) -> npt.NDArray[np.bool_]:
+    def _sync_grid(self, slots: Slots) -> None:
+        """Make the grid hold exactly the available ones of ``slots`` (distinct), at their
+        column positions."""
+        cols, grid = self._cols, self._grid
+        available = cols.status[slots] == _AVAILABLE
+        inside = grid.contains_many(slots)
+        for slot in slots[inside & ~available].tolist():
+            grid.remove(slot)
+        stay = slots[inside & available]
+        grid.move_many(stay, cols.lat[stay], cols.lng[stay])
+        enter = slots[~inside & available]
+        grid.insert_many(enter, cols.lat[enter], cols.lng[enter])
+
+    def _eligible(self, slots: Slots, names: list[str], order: Order) -> npt.NDArray[np.bool_]:
         keep = np.ones(slots.size, dtype=bool)
-        cols = [self._constraints.index(n) for n in names if n in self._constraints]
-        if cols:
-            keep &= self._cbits[slots][:, cols].all(axis=1)
-        for name in names:
-            if name not in self._constraints:  # registered after this store was built
-                pred = CONSTRAINTS[name]
-                keep &= [pred(self._record(s)) for s in slots.tolist()]
+        mask = sum(1 << self._constraints.index(n) for n in names if n in self._constraints)
+        cols = self._cols
+        if mask:
+            need = np.uint64(mask)
+            keep &= (cols.cbits[slots] & need) == need
         cargo = order.cargo
         if cargo is not None:
-            limits = self._cargo[slots]
+            limits = cols.cargo[slots]
             keep &= (
                 (limits[:, 0] >= cargo.weight_kg)
                 & (limits[:, 1] >= cargo.volume_m3)
                 & (limits[:, 2] >= cargo.height_m)
             )
+        for name in names:
+            if name not in self._constraints:  # registered after this store was built
+                pred = CONSTRAINTS[name]
+                keep &= [pred(self._record(s)) for s in slots.tolist()]
         return keep
 
     def _top(
-        self,
-        slots: npt.NDArray[np.int64],
-        sims: Vectors,
-        dist: npt.NDArray[np.float64],
-        k: int,
+        self, slots: Slots, sims: Vectors, dist: npt.NDArray[np.float64], k: int
     ) -> list[Candidate]:
         """The best k by (similarity desc, distance asc, driver_id asc)."""
         if slots.size == 0:
@@ -607,27 +646,27 @@ class FleetVectorStore(BasePydanticVectorStore):
             tied = (sims[pool[k:]] == sims[last]) & (dist[pool[k:]] == dist[last])
             extra = tied.size if tied.all() else int(np.argmin(tied))  # leading run of ties
             pool = pool[: k + extra]
-        entries = []
-        for i in pool.tolist():
-            record = self._base(int(slots[i]))
-            entries.append((-float(sims[i]), float(dist[i]), record.driver_id, record))
-        entries.sort(key=lambda e: e[:3])
-        return [
-            Candidate(rec.driver_id, rec.vehicle.vehicle_id, -neg_sim, d)
-            for neg_sim, d, _, rec in entries[:k]
+        ids, vehicles = self._ids, self._vehicles
+        entries = [
+            (-float(sims[i]), float(dist[i]), ids[s], vehicles[s])
+            for i, s in zip(pool.tolist(), slots[pool].tolist(), strict=True)
         ]
+        entries.sort()
+        return [Candidate(d, v, -neg_sim, km) for neg_sim, km, d, v in entries[:k]]
 
     def _search_all(self, q: Vectors, k: int) -> list[tuple[int, float]]:
         """(slot, score) of the k best drivers: a FAISS search of the whole flat index."""
-        k = min(k, self._index.ntotal)
+        k = min(k, self._flat.ntotal)
         if k <= 0:
             return []
-        scores, fids = self._index.search(q[None, :], k)
-        slot_of_fid = self._slot_of_fid
+        if self._replica is not None:
+            scores, slots = self._replica.search(self._flat, q[None, :], k)
+        else:
+            scores, slots = self._flat.search(q[None, :], k)
         return [
-            (slot_of_fid[fid], score)
-            for score, fid in zip(scores[0].tolist(), fids[0].tolist(), strict=True)
-            if fid >= 0
+            (slot, score)
+            for score, slot in zip(scores[0].tolist(), slots[0].tolist(), strict=True)
+            if slot >= 0
         ]
 
     def _search_slots(self, q: Vectors, slots: list[int], k: int) -> list[tuple[int, float]]:
@@ -642,11 +681,9 @@ class FleetVectorStore(BasePydanticVectorStore):
         if k <= 0:
             return []
         idx = np.asarray(slots, dtype=np.int64)
-        sims = _inner_products(self._vectors[idx], q)
+        sims = _inner_products(self._rows(), q, idx)
         best = np.argpartition(-sims, k - 1)[:k] if len(slots) > k else np.arange(len(slots))
-        ranked = sorted(
-            (-float(sims[i]), self._base(int(idx[i])).driver_id, int(idx[i])) for i in best
-        )
+        ranked = sorted((-float(sims[i]), self._ids[int(idx[i])], int(idx[i])) for i in best)
         return [(slot, -neg) for neg, _, slot in ranked]
 
     def _select(
@@ -655,32 +692,59 @@ class FleetVectorStore(BasePydanticVectorStore):
         """Slots of the live drivers among ``driver_ids`` (all when None) matching filters."""
         predicate = None if filters is None else compile_filters(filters)
         if driver_ids is None:
-            slots = list(self._slot_of.values())
+            slots = list(range(len(self)))
         else:
-            slots = [
-                s for d in dict.fromkeys(driver_ids) if (s := self._slot_of.get(d)) is not None
-            ]
+            slot_of = self._slot_of
+            slots = [s for d in dict.fromkeys(driver_ids) if (s := slot_of.get(d)) is not None]
         if predicate is not None:
             slots = [s for s in slots if predicate(self._record(s))]
         return slots
 
 
-def _inner_products(rows: Vectors, query: Vectors) -> Vectors:
-    """rows @ query in float32, row by row, with FAISS's kernel (fvec_inner_products_ny)."""
-    rows = np.ascontiguousarray(rows, dtype=np.float32)
-    query = np.ascontiguousarray(query, dtype=np.float32)
-    out = np.empty(len(rows), dtype=np.float32)
-    if len(rows):
-        faiss.fvec_inner_products_ny(  # type: ignore[attr-defined]  # missing from the stubs
-            faiss.swig_ptr(out), faiss.swig_ptr(query), faiss.swig_ptr(rows), len(query), len(rows)
-        )
+def _inner_products(rows: Vectors, query: Vectors, slots: Slots) -> Vectors:
+    """rows[slots] @ query in float32 with FAISS's kernel, reading the rows in place.
+
+    One OpenMP thread: the kernel opens a parallel region over its one query, and on a busy
+    2-core machine waiting for the second thread to wake up stalled calls for 10-150 ms.
+    (``omp_set_num_threads`` applies to the calling thread only; restored after.)
+    """
+    slots = np.ascontiguousarray(slots, dtype=np.int64)
+    out = np.empty(len(slots), dtype=np.float32)
+    if len(slots):
+        threads = faiss.omp_get_max_threads()
+        faiss.omp_set_num_threads(1)
+        try:
+            faiss.fvec_inner_products_by_idx(  # type: ignore[attr-defined]  # not in the stubs
+                faiss.swig_ptr(out),
+                faiss.swig_ptr(query),
+                faiss.swig_ptr(rows),
+                faiss.swig_ptr(slots),
+                len(query),
+                1,
+                len(slots),
+            )
+        finally:
+            faiss.omp_set_num_threads(threads)
     return out
 
 
-def _clone(index: faiss.IndexIDMap2) -> faiss.IndexIDMap2:
-    clone = faiss.clone_index(index)
-    assert isinstance(clone, faiss.IndexIDMap2)
-    return clone
+def _status_codes(names: Sequence[str]) -> npt.NDArray[np.int8]:
+    """Today's code of each status name of an older vocabulary."""
+    unknown = [s for s in names if s not in _STATUS_CODE]
+    if unknown:
+        raise SnapshotError(f"snapshot holds unknown statuses {unknown}")
+    return np.array([_STATUS_CODE[s] for s in names], dtype=np.int8)
+
+
+def _replica_for(want: bool | None) -> gpu.Replica | None:
+    if want is False:
+        return None
+    reason = gpu.why_not()
+    if reason is None:
+        return gpu.Replica()
+    if want:
+        raise FleetIndexError(f"gpu=True but {reason}")
+    return None
 
 
 def _intersect(a: list[str] | None, b: list[str] | None) -> list[str] | None:
