@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import struct
 import zlib
+from collections.abc import Sequence
 from typing import Any, Literal, cast
 
 import numpy as np
@@ -43,6 +44,7 @@ VERSION_EXPIRING = 2  # with an expiry
 HEADER = struct.Struct("<2sBBII")
 HEADER_SIZE = HEADER.size  # 12
 EXPIRY = struct.Struct("<d")
+_CRC = struct.Struct("<I")
 _HEADER_SIZES = {VERSION: HEADER_SIZE, VERSION_EXPIRING: HEADER_SIZE + EXPIRY.size}
 
 Dtype = Literal["float32", "float16"]
@@ -88,6 +90,38 @@ def encode(
         raise ValueError(f"expires_at must be finite, got {expires_at}")
     body = EXPIRY.pack(expires_at) + payload
     return HEADER.pack(MAGIC, VERSION_EXPIRING, code, arr.shape[0], zlib.crc32(body)) + body
+
+
+def encode_many(
+    rows: Sequence[npt.ArrayLike], dtype: Dtype = "float32", *, expires_at: Sequence[float | None]
+) -> list[bytes]:
+    """``encode`` of each row (with its own expiry), converting all rows in one numpy pass:
+    the same bytes as ``[encode(r, dtype, expires_at=e) for r, e in zip(rows, expires_at)]``,
+    several times faster for a write-back of hundreds of rows."""
+    if len(rows) != len(expires_at):
+        raise ValueError(f"{len(expires_at)} expiry times for {len(rows)} rows")
+    if not rows:
+        return []
+    code, np_dtype = _CODES[dtype]
+    matrix = np.asarray(rows, dtype=np_dtype)  # one contiguous copy in the stored dtype
+    if matrix.ndim != 2:
+        raise ValueError(f"expected equal-length 1-d vectors, got shape {matrix.shape}")
+    dim = matrix.shape[1]
+    size = dim * np_dtype.itemsize
+    data = matrix.tobytes()
+    plain = HEADER.pack(MAGIC, VERSION, code, dim, 0)[:8]  # the header before its crc
+    out = []
+    for i, expiry in enumerate(expires_at):
+        payload = data[i * size : (i + 1) * size]
+        if expiry is None:
+            out.append(plain + _CRC.pack(zlib.crc32(payload)) + payload)
+        elif not math.isfinite(expiry):
+            raise ValueError(f"expires_at must be finite, got {expiry}")
+        else:
+            body = EXPIRY.pack(expiry) + payload
+            head = HEADER.pack(MAGIC, VERSION_EXPIRING, code, dim, zlib.crc32(body))
+            out.append(head + body)
+    return out
 
 
 def expires_at(data: bytes) -> float | None:

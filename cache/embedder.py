@@ -93,14 +93,31 @@ class _Call:
     lane: str
     missing: list[int] = field(default_factory=list)  # input indices the store lacked
     statuses: list[Status] = field(default_factory=list)  # per text sent to _SingleFlight
-    owned: list[tuple[str, asyncio.Future[Row]]] = field(default_factory=list)
+    owned: list[_Flight] = field(default_factory=list)  # the computations this call started
     ttl_s: dict[str, float] = field(default_factory=dict)  # texts written with a TTL
+    keys: dict[str, str] = field(default_factory=dict)  # text -> store key, hashed once
 
 
 _CALL: ContextVar[_Call | None] = ContextVar("fleetcache_cache_call", default=None)
 
 
-def _retrieve(fut: asyncio.Future[Row]) -> None:
+class _Flight:
+    """One compute call: its texts and ONE future for all their rows (not one per text:
+    at warm-up sizes, a future and its callbacks per text cost more than the cache)."""
+
+    __slots__ = ("future", "texts")
+
+    def __init__(self, texts: list[str], future: asyncio.Future[Vectors]) -> None:
+        self.texts = texts
+        self.future = future
+        future.add_done_callback(_retrieve)
+
+    def rows(self) -> list[tuple[str, Row]]:
+        """``(text, row)`` of a successful computation."""
+        return list(zip(self.texts, self.future.result(), strict=True))
+
+
+def _retrieve(fut: asyncio.Future[Vectors]) -> None:
     # Mark the exception as retrieved: every waiter already re-raises it, and a future
     # whose waiters all left must not log "exception was never retrieved".
     if not fut.cancelled():
@@ -114,7 +131,7 @@ class _SingleFlight(Embeddings):
         self._compute = compute
         self._dim = dim
         self._write_back = write_back
-        self._inflight: dict[str, asyncio.Future[Row]] = {}
+        self._inflight: dict[str, tuple[_Flight, int]] = {}  # text -> (flight, its row)
         self._tasks: set[asyncio.Task[None]] = set()
 
     def embed_documents(self, texts: list[str]) -> list[list[float]]:
@@ -127,41 +144,42 @@ class _SingleFlight(Embeddings):
         outer = _CALL.get()
         call = outer if outer is not None else _Call(lane="dispatch")
         loop = asyncio.get_running_loop()
-        waits: list[asyncio.Future[Row]] = []
-        new_texts: list[str] = []
-        new_futs: list[asyncio.Future[Row]] = []
+        inflight = self._inflight
+        flight: _Flight | None = None  # this call's own computation, if it needs one
+        waits: list[tuple[_Flight, int]] = []
+        statuses = call.statuses
         for text in texts:
-            fut = self._inflight.get(text)
-            if fut is None:
-                fut = loop.create_future()
-                fut.add_done_callback(_retrieve)
-                self._inflight[text] = fut
-                new_texts.append(text)
-                new_futs.append(fut)
-                call.statuses.append("miss")
+            entry = inflight.get(text)
+            if entry is None:
+                if flight is None:
+                    flight = _Flight([], loop.create_future())
+                entry = inflight[text] = (flight, len(flight.texts))
+                flight.texts.append(text)
+                statuses.append("miss")
             else:
-                call.statuses.append("coalesced")
-            waits.append(fut)
-        if new_texts:
-            call.owned.extend(zip(new_texts, new_futs, strict=True))
+                statuses.append("coalesced")
+            waits.append(entry)
+        if flight is not None:
+            call.owned.append(flight)
             # Its own task: if this request is cancelled, the requests coalesced on these
             # texts still get their vectors.
-            task = loop.create_task(self._run(new_texts, new_futs, call.lane))
+            task = loop.create_task(self._run(flight, call.lane))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         try:
             # asyncio.wait, not ``await fut``: cancelling this waiter must not cancel the
             # futures other requests share.
-            pending = {fut for fut in waits if not fut.done()}
+            pending = {f.future for f, _ in waits if not f.future.done()}
             if pending:
                 await asyncio.wait(pending)
-            rows = [fut.result() for fut in waits]
+            rows = [f.future.result()[i] for f, i in waits]
         finally:
             if outer is None:  # used outside aembed: CacheBackedEmbeddings writes them back
                 self.release(call, written=True)
         return cast("list[list[float]]", rows)
 
-    async def _run(self, texts: list[str], futs: list[asyncio.Future[Row]], lane: str) -> None:
+    async def _run(self, flight: _Flight, lane: str) -> None:
+        texts, fut = flight.texts, flight.future
         try:
             # A copy, read-only: these rows are shared by every request coalesced on them.
             rows = np.array(await self._compute(texts, lane), dtype=np.float32)
@@ -175,20 +193,21 @@ class _SingleFlight(Embeddings):
             err = (
                 exc if isinstance(exc, Exception) else EngineError(f"computation aborted: {exc!r}")
             )
-            for text, fut in zip(texts, futs, strict=True):
-                if not fut.done():
-                    fut.set_exception(err)
-                self._forget(text, fut)
+            if not fut.done():
+                fut.set_exception(err)
+            self._forget(flight)
             if err is not exc:
                 raise
             return
-        for fut, row in zip(futs, rows, strict=True):
-            if not fut.done():
-                fut.set_result(row)
+        if not fut.done():
+            fut.set_result(rows)
 
-    def _forget(self, text: str, fut: asyncio.Future[Row]) -> None:
-        if self._inflight.get(text) is fut:
-            del self._inflight[text]
+    def _forget(self, flight: _Flight) -> None:
+        inflight = self._inflight
+        for text in flight.texts:
+            entry = inflight.get(text)
+            if entry is not None and entry[0] is flight:
+                del inflight[text]
 
     def release(self, call: _Call, *, written: bool) -> None:
         """Drop a call's in-flight entries once they are written back.
@@ -199,26 +218,31 @@ class _SingleFlight(Embeddings):
         it waits for the computation, writes back what succeeded, then drops them.
         """
         orphans = []
-        for text, fut in call.owned:
-            if written and fut.done():
-                self._forget(text, fut)
+        for flight in call.owned:
+            if written and flight.future.done():
+                self._forget(flight)
             else:
-                orphans.append((text, fut))
+                orphans.append(flight)
         if orphans:
             task = asyncio.get_running_loop().create_task(self._adopt(orphans, call.ttl_s))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _adopt(self, orphans: list[tuple[str, asyncio.Future[Row]]], ttl_s: Ttls) -> None:
+    async def _adopt(self, orphans: list[_Flight], ttl_s: Ttls) -> None:
         """Write back what the owner could not (coalesced waiters never write)."""
         try:
-            await asyncio.wait([fut for _, fut in orphans])
-            computed = [(t, f.result()) for t, f in orphans if f.exception() is None]
+            await asyncio.wait([flight.future for flight in orphans])
+            computed = [
+                pair
+                for flight in orphans
+                if flight.future.exception() is None
+                for pair in flight.rows()
+            ]
             if computed:
                 await self._write_back(computed, ttl_s)
         finally:
-            for text, fut in orphans:
-                self._forget(text, fut)
+            for flight in orphans:
+                self._forget(flight)
 
     @property
     def in_flight(self) -> int:
@@ -241,23 +265,27 @@ class _VectorStore(EncoderBackedStore[str, Any]):
         self,
         store: ByteStore,
         key_encoder: Callable[[str], str],
-        serializer: Callable[[Row, float | None], bytes],
+        serializer: Callable[[Sequence[Row], Sequence[float | None]], list[bytes]],
         deserializer: Callable[[bytes], Row | None],
         errors: ErrorLog,
         wall_clock: Callable[[], float],
     ) -> None:
-        super().__init__(store, key_encoder, lambda row: serializer(row, None), deserializer)
-        self._serialize = serializer
+        super().__init__(store, key_encoder, lambda row: serializer([row], [None])[0], deserializer)
+        self._serialize_many = serializer  # rows and their expiry times -> entries
         self._errors = errors
         self._wall_clock = wall_clock
 
     async def amget(self, keys: Sequence[str]) -> list[Any]:
+        call = _CALL.get()
+        encoded = [self.key_encoder(text) for text in keys]
+        if call is not None:  # each text is hashed once per call: write-back and links reuse it
+            call.keys = dict(zip(keys, encoded, strict=True))
         try:
-            values = await super().amget(keys)
+            raw = await self.store.amget(encoded)
+            values = [None if v is None else self.value_deserializer(v) for v in raw]
         except Exception as exc:
             self._errors.record("mget", exc)
             values = [None] * len(keys)
-        call = _CALL.get()
         if call is not None:
             call.missing = [i for i, v in enumerate(values) if v is None]
         return values
@@ -267,20 +295,27 @@ class _VectorStore(EncoderBackedStore[str, Any]):
         if call is None:
             await self.write(key_value_pairs, {})
         else:
-            owned = {text for text, _ in call.owned}
+            owned = {text for flight in call.owned for text in flight.texts}
             pairs = [(t, row) for t, row in key_value_pairs if t in owned]
-            await self.write(pairs, call.ttl_s)
+            await self.write(pairs, call.ttl_s, call.keys)
 
-    async def write(self, key_value_pairs: Sequence[tuple[str, Any]], ttl_s: Ttls) -> None:
+    async def write(
+        self,
+        key_value_pairs: Sequence[tuple[str, Any]],
+        ttl_s: Ttls,
+        keys: Mapping[str, str] | None = None,
+    ) -> None:
         unique = dict(key_value_pairs)
         if not unique:
             return
         now = self._wall_clock()
-        encoded = []
-        for text, row in unique.items():
-            ttl = ttl_s.get(text)
-            expires_at = None if ttl is None else now + ttl
-            encoded.append((self.key_encoder(text), self._serialize(row, expires_at)))
+        texts = list(unique)
+        expiry = [None if (ttl := ttl_s.get(t)) is None else now + ttl for t in texts]
+        values = self._serialize_many(list(unique.values()), expiry)
+        known = keys or {}
+        encoded = [
+            (known.get(t) or self.key_encoder(t), v) for t, v in zip(texts, values, strict=True)
+        ]
         try:
             await self.store.amset(encoded)
         except Exception as exc:
@@ -401,8 +436,8 @@ class CachedEmbedder(_AsyncEmbeddings):
         digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=32)
         return f"{self.namespace}:{digest.hexdigest()}"
 
-    def _encode(self, row: Row, expires_at: float | None) -> bytes:
-        return codec.encode(row, self.dtype, expires_at=expires_at)
+    def _encode(self, rows: Sequence[Row], expires_at: Sequence[float | None]) -> list[bytes]:
+        return codec.encode_many(rows, self.dtype, expires_at=expires_at)
 
     def _decode(self, data: bytes) -> Row | None:
         try:
@@ -430,10 +465,16 @@ class CachedEmbedder(_AsyncEmbeddings):
         entries this call writes expire. Raises what ``compute`` raised (e.g.
         ``EngineError``) for texts it had to compute.
         """
+        return (await self._aembed(texts, caller, lane, ttl_s))[0]
+
+    async def _aembed(
+        self, texts: Sequence[str], caller: str, lane: str | None, ttl_s: TtlArg
+    ) -> tuple[EmbedResult, _Call]:
+        """``aembed``, and the call's bookkeeping (its texts' keys)."""
         n = len(texts)
-        if n == 0:
-            return EmbedResult(np.empty((0, self.dim), np.float32), 0, 0, 0, ())
         call = _Call(lane=lane or ("warmup" if caller == "warmup" else "dispatch"))
+        if n == 0:
+            return EmbedResult(np.empty((0, self.dim), np.float32), 0, 0, 0, ()), call
         call.ttl_s = _ttl_map(texts, ttl_s)
         token = _CALL.set(call)
         written = False
@@ -457,7 +498,7 @@ class CachedEmbedder(_AsyncEmbeddings):
         # Every row is 1-d of length dim (decode and _run check it); concatenate is ~5x
         # faster than np.stack for 1,000 rows.
         vectors = np.concatenate(cast("list[Row]", rows)).reshape(n, self.dim)
-        return EmbedResult(vectors, hits, coalesced, misses, tuple(statuses))
+        return EmbedResult(vectors, hits, coalesced, misses, tuple(statuses)), call
 
     async def aembed_entities(
         self,
@@ -471,10 +512,9 @@ class CachedEmbedder(_AsyncEmbeddings):
         each entity linked to its vector key (its previous vector dropped if it changed)."""
         ttls = ttl_s or {}
         texts = [e.text for e in entities]
-        result = await self.aembed(
-            texts, caller=caller, lane=lane, ttl_s=[ttls.get(e.kind) for e in entities]
-        )
-        await self.links.relink([(e.kind, e.id) for e in entities], [self.key(t) for t in texts])
+        result, call = await self._aembed(texts, caller, lane, [ttls.get(e.kind) for e in entities])
+        keys = [call.keys.get(t) or self.key(t) for t in texts]
+        await self.links.relink([(e.kind, e.id) for e in entities], keys)
         return result
 
     async def _vectors(self, texts: list[str]) -> Vectors:

@@ -16,11 +16,13 @@ Threading model::
       await the result                       <-------  (n, dim) float32 or an exception
       copy each request's rows, resolve futures
 
-    tokenizer thread (exactly one): while a batch is in the engine and the dispatch lane
-    alone already fills the next batch, the worker takes that batch at once and tokenizes
-    it here, so tokenization overlaps the forward instead of following it. Only full,
-    dispatch-only batches are formed early: lane priority and max_delay behave as without
-    the overlap. A request cancelled meanwhile is dropped (the rest is re-tokenized).
+    tokenizer thread (exactly one): while a batch is in the engine and the queue already
+    fills the next batch, the worker takes that batch at once (dispatch items first, as
+    always) and tokenizes it here, so tokenization overlaps the forward instead of following
+    it. Only full batches are formed early, so max_delay behaves as without the overlap. The
+    cost to dispatch: an item that arrives after a warm-up batch was formed early waits for
+    at most one more forward (that batch's) before it runs. A request cancelled meanwhile is
+    dropped (the rest is re-tokenized).
 
 Every future is resolved on every path: with its rows; with the batch's ``EngineError`` (only
 the requests in that batch; the worker keeps serving); with ``EngineError("batcher closed")``
@@ -339,7 +341,7 @@ class Batcher:
                     batch = self._take()
                     if batch:
                         forward = asyncio.create_task(self._run_batch(batch))
-                elif forward is not None and self._lane_waiting["dispatch"] >= self.max_batch_size:
+                elif forward is not None and self._queued >= self.max_batch_size:
                     forward = await self._tokenize_ahead(forward)
                 else:  # idle, or the engine is busy and the next batch is not full yet
                     await self._wait_for_wakeup(forward)
@@ -367,7 +369,7 @@ class Batcher:
             wakeup.cancel()
 
     async def _tokenize_ahead(self, forward: asyncio.Task[None]) -> asyncio.Task[None] | None:
-        """Take the next (full, dispatch-only) batch, tokenize it while ``forward`` runs,
+        """Take the next (full) batch, tokenize it while ``forward`` runs,
         then start it as soon as ``forward`` is done. Returns the new batch's task."""
         batch = self._take()
         self._prepared = [request for request, _, _ in batch]

@@ -16,11 +16,13 @@ embedded twice.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,6 +30,7 @@ from typing import IO, Any, Protocol
 
 import httpx
 
+from cache.links import Entity
 from features.models import DriverRecord
 from features.readers import Row, iter_rows
 from features.text import driver_text
@@ -120,52 +123,70 @@ async def run_warmup(
     progress: WarmupProgress,
     *,
     chunk_size: int = 500,
+    depth: int = 3,
     checkpoint: Checkpoint | None = None,
     rejects: IO[str] | None = None,
     commit_every_s: float = 5.0,
     on_progress: Callable[[WarmupProgress], None] | None = None,
     cancelled: Callable[[], bool] = lambda: False,
 ) -> WarmupProgress:
-    """Run one job to its end (``sink=None`` is a dry run: validate and count only)."""
+    """Run one job to its end (``sink=None`` is a dry run: validate and count only).
+
+    Pipelined: the next chunk is read and validated in a thread while up to ``depth``
+    chunks are in the sink at once (so the engine's batcher always has work queued). The
+    checkpoint only moves past chunks that finished together with every chunk before them.
+    """
+    if depth < 1:
+        raise ValueError(f"depth must be at least 1, got {depth}")
     skip = checkpoint.rows_done() if checkpoint else 0
     progress.resumed_from = skip
-    rows = iter_rows(path)
-    chunks = read_chunks(rows, chunk_size)
+    chunks = read_chunks(iter_rows(path), chunk_size)
+    in_sink: deque[tuple[int, asyncio.Task[tuple[int, int, int]]]] = deque()  # (end row, task)
+    done_rows = skip  # every row before this one is durable once the sink commits
     last_commit = time.monotonic()
 
-    async def next_chunk() -> list[Row] | None:  # file reading stays off the event loop
-        return await asyncio.to_thread(next, chunks, None)
+    def next_chunk() -> asyncio.Future[list[Row] | None]:  # reading stays off the event loop
+        return asyncio.ensure_future(asyncio.to_thread(next, chunks, None))
+
+    async def finish_oldest() -> None:
+        nonlocal done_rows, last_commit
+        end, task = in_sink.popleft()
+        indexed, embedded, cached = await task
+        progress.indexed += indexed
+        progress.embedded += embedded
+        progress.cached += cached
+        done_rows = end
+        if sink is not None and checkpoint and time.monotonic() - last_commit > commit_every_s:
+            await sink.commit()
+            checkpoint.save(done_rows)
+            last_commit = time.monotonic()
+        if on_progress:
+            on_progress(progress)
 
     stopped = False
+    reading = next_chunk()
     try:
-        while (chunk := await next_chunk()) is not None:
+        while (chunk := await reading) is not None:
             if stopped := cancelled():
                 break
+            reading = next_chunk()
             fresh = chunk[max(0, skip - progress.rows) :]
             progress.rows += len(chunk)
             records = [row.record for row in fresh if row.record is not None]
-            for row in fresh:
-                if row.record is None:
-                    progress.rejected += 1
-                    if rejects is not None:
-                        rejects.write(json.dumps({"line": row.line, "error": row.error}) + "\n")
+            _reject(fresh, progress, rejects)
             if records and sink is not None:
-                indexed, embedded, cached = await sink.upsert(records)
-                progress.indexed += indexed
-                progress.embedded += embedded
-                progress.cached += cached
-            elif sink is None:
-                progress.indexed += len(records)
-            if sink is not None and checkpoint and time.monotonic() - last_commit > commit_every_s:
-                await sink.commit()
-                checkpoint.save(progress.rows)
-                last_commit = time.monotonic()
-            if on_progress:
-                on_progress(progress)
+                in_sink.append((progress.rows, asyncio.create_task(sink.upsert(records))))
+            else:
+                progress.indexed += len(records) if sink is None else 0
+                in_sink.append((progress.rows, asyncio.create_task(_nothing())))
+            while in_sink and (len(in_sink) >= depth or in_sink[0][1].done()):
+                await finish_oldest()
+        while in_sink:
+            await finish_oldest()
         if sink is not None:
             await sink.commit()
         if checkpoint and sink is not None:  # the state changes only once the place is kept
-            checkpoint.save(progress.rows) if stopped else checkpoint.clear()
+            checkpoint.save(done_rows) if stopped else checkpoint.clear()
         progress.state = "cancelled" if stopped else "done"
     except asyncio.CancelledError:
         progress.state = "cancelled"
@@ -174,21 +195,80 @@ async def run_warmup(
         progress.state, progress.error = "failed", str(exc)
         raise
     finally:
+        reading.cancel()
+        await _abandon([task for _, task in in_sink])
         progress.finished = time.time()
         if rejects is not None:
             rejects.flush()
     return progress
 
 
-class LocalSink:
-    """Straight into this process's services (the CLI's direct mode and the API's jobs)."""
+def _reject(rows: list[Row], progress: WarmupProgress, rejects: IO[str] | None) -> None:
+    for row in rows:
+        if row.record is None:
+            progress.rejected += 1
+            if rejects is not None:
+                rejects.write(json.dumps({"line": row.line, "error": row.error}) + "\n")
 
-    def __init__(self, services: Services) -> None:
+
+async def _nothing() -> tuple[int, int, int]:
+    """The sink's part of a chunk without valid records (or of a dry run)."""
+    return 0, 0, 0
+
+
+async def _abandon(tasks: list[asyncio.Task[tuple[int, int, int]]]) -> None:
+    """Cancel the chunks still in the sink after a failure and collect their outcome."""
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class LocalSink:
+    """Straight into this process's services (the CLI's direct mode and the API's jobs).
+
+    A chunk goes to the cache in calls of at most ``slice_size`` records, all in flight
+    together, so the event loop (which serves dispatch in the proxy) never does more than
+    one slice's bookkeeping at a time; their texts are rendered in a thread. A driver id
+    already in an unfinished slice waits for it, so the file's later row wins (link and
+    index) as it would one chunk at a time.
+    """
+
+    def __init__(self, services: Services, slice_size: int = 64) -> None:
         self.services = services
+        self.slice_size = slice_size
+        self._holder: dict[str, asyncio.Task[tuple[int, int]]] = {}  # driver id -> its slice
 
     async def upsert(self, records: list[DriverRecord]) -> tuple[int, int, int]:
-        n, result = await self.services.upsert_drivers(records, "warmup")
-        return n, result.misses, result.not_sent
+        texts = await asyncio.to_thread(lambda: [driver_text(r) for r in records])
+        size, parts = self.slice_size, []
+        for i in range(0, len(records), size):
+            part = records[i : i + size]
+            ids = [r.driver_id for r in part]
+            before = {task for d in ids if (task := self._holder.get(d)) is not None}
+            task = asyncio.create_task(self._upsert(part, texts[i : i + size], before))
+            task.add_done_callback(functools.partial(self._release, ids))
+            self._holder.update(dict.fromkeys(ids, task))
+            parts.append(task)
+        counts = await asyncio.gather(*parts)
+        return len(records), sum(c[0] for c in counts), sum(c[1] for c in counts)
+
+    async def _upsert(
+        self, records: list[DriverRecord], texts: list[str], before: set[asyncio.Task[Any]]
+    ) -> tuple[int, int]:
+        if before:
+            await asyncio.wait(before)
+        services = self.services
+        entities = [Entity("driver", r.driver_id, t) for r, t in zip(records, texts, strict=True)]
+        result = await services.embed_entities(entities, "warmup")
+        services.index.upsert_drivers(records, result.vectors)
+        services.index_revision += 1
+        return result.misses, result.not_sent
+
+    def _release(self, ids: list[str], task: asyncio.Task[tuple[int, int]]) -> None:
+        for driver_id in ids:
+            if self._holder.get(driver_id) is task:
+                del self._holder[driver_id]
 
     async def commit(self) -> None:
         await asyncio.to_thread(self.services.snapshot)
@@ -241,6 +321,9 @@ class WarmupJobs:
                     chunk_size=chunk_size,
                     checkpoint=checkpoint_for(services.settings.data_dir, path),
                     rejects=rejects,
+                    # A commit snapshots the whole index (a stall for dispatch while its state
+                    # is copied): no more often than the server's own snapshots.
+                    commit_every_s=services.settings.snapshot_interval_s,
                     cancelled=lambda: job.cancel_requested,
                 )
 

@@ -381,6 +381,31 @@ def test_full_dispatch_batch_is_tokenized_ahead_while_the_engine_is_busy() -> No
     run(test)
 
 
+def test_full_warmup_batch_is_tokenized_ahead_and_dispatch_waits_one_forward_at_most() -> None:
+    async def test() -> None:
+        engine = ThreadRecordingEngine(hold=True)
+        async with Batcher(engine, max_batch_size=4) as batcher:
+            first = spawn(batcher.submit(["first"]))
+            await engine_busy(engine)
+            warm = spawn(batcher.submit([f"w{i}" for i in range(8)], lane="warmup"))
+            await until(lambda: len(engine.tokenized_on) == 2)  # w0..w3 tokenized ahead
+            late = spawn(batcher.submit(["late"]))  # dispatch, after that batch was formed
+            await until(lambda: batcher.queued == 9)  # 4 tokenized ahead + 5 queued
+            engine.release()
+            results = await asyncio.gather(first, warm, late)
+        assert engine.tokenized_on[1].startswith("tokenizer")
+        # the dispatch item runs right after the batch formed early, ahead of w4..w7
+        assert engine.batches == [
+            ["first"],
+            ["w0", "w1", "w2", "w3"],
+            ["late", "w4", "w5", "w6"],
+            ["w7"],
+        ]
+        np.testing.assert_array_equal(results[1], engine.expected([f"w{i}" for i in range(8)]))
+
+    run(test)
+
+
 @pytest.mark.parametrize("drop", ["cancelled", "expired"])
 def test_request_dropped_after_tokenize_ahead_never_reaches_the_engine(drop: str) -> None:
     async def test() -> None:

@@ -504,3 +504,18 @@ def test_namespace_must_be_usable() -> None:
             CachedEmbedder(FakeCompute(), store, namespace=bad, dim=DIM)
     with pytest.raises(ValueError):
         CachedEmbedder(FakeCompute(), store, namespace="n", dim=DIM, dtype="int8")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_encode_many_writes_the_same_entries_as_encode(dtype: codec.Dtype) -> None:
+    rows = np.random.default_rng(1).standard_normal((6, 384), dtype=np.float32)
+    expiry = [None, 1.8e9, None, 2.0e9, 5.5, None]
+    entries = codec.encode_many(list(rows), dtype, expires_at=expiry)
+    assert entries == [
+        codec.encode(r, dtype, expires_at=e) for r, e in zip(rows, expiry, strict=True)
+    ]
+    assert codec.encode_many([], dtype, expires_at=[]) == []
+    with pytest.raises(ValueError):
+        codec.encode_many(list(rows), dtype, expires_at=[None])
+    with pytest.raises(ValueError):
+        codec.encode_many(list(rows[:1]), dtype, expires_at=[float("inf")])
