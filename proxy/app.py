@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 from fastapi import FastAPI
 
@@ -50,8 +51,32 @@ async def snapshot_periodically(services: Services) -> None:
             await asyncio.to_thread(services.snapshot)
 
 
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Move everything alive now (imports, the model, the loaded fleet) out of the garbage
+    collector's reach while the block runs, so that a full collection walks only what was
+    created since.
+
+    Measured during a 10,000-driver warm-up in the server: a full collection on the event loop
+    took 241 ms (every dispatch request waited for it), 37 ms with the heap frozen. Only
+    ``fleetcache serve`` and ``fleetcache warmup`` do it, and undo it on the way out: while
+    frozen, hypothesis' reference checks (tests) cannot see those objects.
+    """
+    gc.collect()
+    gc.freeze()
+    log.info("heap frozen: %d objects left out of garbage collection", gc.get_freeze_count())
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 async def run_services(
-    app: FastAPI, settings: Settings, engine: Engine | None, stop: asyncio.Event
+    app: FastAPI,
+    settings: Settings,
+    engine: Engine | None,
+    stop: asyncio.Event,
+    freeze_gc: bool = False,
 ) -> None:
     try:
         async with open_services(settings, engine) as services:
@@ -60,10 +85,11 @@ async def run_services(
             try:
                 if settings.demo_drivers:
                     await load_demo_fleet(services, settings.demo_drivers, settings.demo_seed)
-                services.index_ready = True
-                log.info("ready: %d drivers in the fleet index", len(services.index))
-                snapshots = asyncio.create_task(snapshot_periodically(services))
-                await stop.wait()
+                with frozen_heap() if freeze_gc else contextlib.nullcontext():
+                    services.index_ready = True
+                    log.info("ready: %d drivers in the fleet index", len(services.index))
+                    snapshots = asyncio.create_task(snapshot_periodically(services))
+                    await stop.wait()
             finally:  # no request may reach services that are being closed
                 if snapshots is not None:
                     snapshots.cancel()
@@ -73,8 +99,11 @@ async def run_services(
         app.state.startup_error = f"start-up failed: {exc}"
 
 
-def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
-    """Build the app; ``engine`` injects a ready-made engine (tests use ``FakeEngine``)."""
+def create_app(
+    settings: Settings, engine: Engine | None = None, *, freeze_gc: bool = False
+) -> FastAPI:
+    """Build the app; ``engine`` injects a ready-made engine (tests use ``FakeEngine``);
+    ``freeze_gc`` freezes the heap once started (``frozen_heap``; the CLI's server does)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -82,7 +111,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         app.state.startup_error = None
         app.state.jobs = WarmupJobs()
         stop = asyncio.Event()
-        task = asyncio.create_task(run_services(app, settings, engine, stop))
+        task = asyncio.create_task(run_services(app, settings, engine, stop, freeze_gc))
         try:
             yield
         finally:

@@ -83,7 +83,8 @@ def serve(
         f"  {base}/readyz turns 200 once the engine is warm and the fleet is loaded\n"
         f"  try: curl {base}/v1/stats | curl {base}/docs | fleetcache stats --url {base}"
     )
-    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)
+    app_ = create_app(settings, freeze_gc=True)
+    uvicorn.run(app_, host=host, port=port, log_level=log_level)
 
 
 def count_rows(path: Path) -> int | None:
@@ -114,11 +115,13 @@ async def warmup_job(
             base_url=url, headers={"X-Caller": "warmup"}, timeout=600
         ) as client:
             return await run_warmup(path, RemoteSink(client), progress, **options)
+    from proxy.app import frozen_heap
     from proxy.services import open_services
 
     assert settings is not None
     async with open_services(settings) as services:
-        return await run_warmup(path, LocalSink(services), progress, **options)
+        with frozen_heap():
+            return await run_warmup(path, LocalSink(services), progress, **options)
 
 
 @app.command()

@@ -91,10 +91,12 @@ class Services:
         return await self.embedder.links.forget(kind, entity_id)
 
     async def upsert_drivers(
-        self, records: Sequence[DriverRecord], caller: str
+        self, records: Sequence[DriverRecord], caller: str, texts: Sequence[str] | None = None
     ) -> tuple[int, EmbedResult]:
-        """Embed (through the cache) and index; the index changes only if every text embedded."""
-        entities = [Entity("driver", r.driver_id, driver_text(r)) for r in records]
+        """Embed (through the cache) and index; the index changes only if every text embedded.
+        ``texts``: the records' driver texts when the caller rendered them already."""
+        texts = texts if texts is not None else [driver_text(r) for r in records]
+        entities = [Entity("driver", r.driver_id, t) for r, t in zip(records, texts, strict=True)]
         result = await self.embed_entities(entities, caller)
         self.index.upsert_drivers(records, result.vectors)
         self.index_revision += 1

@@ -30,7 +30,6 @@ from typing import IO, Any, Protocol
 
 import httpx
 
-from cache.links import Entity
 from features.models import DriverRecord
 from features.readers import Row, iter_rows
 from features.text import driver_text
@@ -258,11 +257,7 @@ class LocalSink:
     ) -> tuple[int, int]:
         if before:
             await asyncio.wait(before)
-        services = self.services
-        entities = [Entity("driver", r.driver_id, t) for r, t in zip(records, texts, strict=True)]
-        result = await services.embed_entities(entities, "warmup")
-        services.index.upsert_drivers(records, result.vectors)
-        services.index_revision += 1
+        _, result = await self.services.upsert_drivers(records, "warmup", texts)
         return result.misses, result.not_sent
 
     def _release(self, ids: list[str], task: asyncio.Task[tuple[int, int]]) -> None:

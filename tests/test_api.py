@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import json
 from pathlib import Path
 from typing import Any
@@ -213,3 +214,14 @@ def test_openai_client_works_unchanged(tmp_path: Path) -> None:
     np.testing.assert_allclose(
         result.data[0].embedding, direct["data"][0]["embedding"], rtol=0, atol=1e-7
     )
+
+
+def test_the_cli_server_freezes_the_heap_while_it_serves(tmp_path: Path) -> None:
+    # full collections then skip everything alive at start-up (imports, model, fleet)
+    assert gc.get_freeze_count() == 0
+    app = create_app(make_settings(tmp_path), FakeEngine(), freeze_gc=True)
+    with TestClient(app) as client:
+        wait_ready(client)
+        assert gc.get_freeze_count() > 1000
+        assert client.post("/v1/embeddings", json={"input": ["a"]}).status_code == 200
+    assert gc.get_freeze_count() == 0  # undone on shutdown
