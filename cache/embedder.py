@@ -269,23 +269,28 @@ class _VectorStore(EncoderBackedStore[str, Any]):
         deserializer: Callable[[bytes], Row | None],
         errors: ErrorLog,
         wall_clock: Callable[[], float],
+        on_lookup: Callable[[float], None] | None = None,
     ) -> None:
         super().__init__(store, key_encoder, lambda row: serializer([row], [None])[0], deserializer)
         self._serialize_many = serializer  # rows and their expiry times -> entries
         self._errors = errors
         self._wall_clock = wall_clock
+        self._on_lookup = on_lookup
 
     async def amget(self, keys: Sequence[str]) -> list[Any]:
         call = _CALL.get()
         encoded = [self.key_encoder(text) for text in keys]
         if call is not None:  # each text is hashed once per call: write-back and links reuse it
             call.keys = dict(zip(keys, encoded, strict=True))
+        started = time.perf_counter()
         try:
             raw = await self.store.amget(encoded)
             values = [None if v is None else self.value_deserializer(v) for v in raw]
         except Exception as exc:
             self._errors.record("mget", exc)
             values = [None] * len(keys)
+        if self._on_lookup is not None:
+            self._on_lookup(time.perf_counter() - started)
         if call is not None:
             call.missing = [i for i, v in enumerate(values) if v is None]
         return values
@@ -373,7 +378,8 @@ class CachedEmbedder(_AsyncEmbeddings):
     ``namespace`` must change whenever the vectors would (derive it from the engine
     fingerprint); keys are ``f"{namespace}:{blake2b-256(text).hexdigest()}"``. Values are
     ``cache.codec`` entries in ``dtype`` (float16 halves the bytes; hits then return the
-    float16-rounded values widened to float32).
+    float16-rounded values widened to float32). ``on_lookup(seconds)``, when given, is called
+    once per call with the time its tier lookup took (the proxy's ``cache_lookup`` stage).
 
     Statistics, shaped for ``/v1/stats``:
 
@@ -405,6 +411,7 @@ class CachedEmbedder(_AsyncEmbeddings):
         dtype: codec.Dtype = "float32",
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        on_lookup: Callable[[float], None] | None = None,
     ) -> None:
         if not namespace or len(namespace) > 200 or any(c.isspace() for c in namespace):
             raise ValueError(f"namespace must be 1..200 non-blank characters: {namespace!r}")
@@ -423,7 +430,7 @@ class CachedEmbedder(_AsyncEmbeddings):
         self._wall_clock = wall_clock
         self.links = EntityLinks(store, namespace, self._errors)
         vectors = _VectorStore(
-            store, self.key, self._encode, self._decode, self._errors, wall_clock
+            store, self.key, self._encode, self._decode, self._errors, wall_clock, on_lookup
         )
         self._flight = _SingleFlight(compute, dim, vectors.write)
         # batch_size=None: all misses of a call in one underlying call, one write-back.

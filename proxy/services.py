@@ -206,6 +206,7 @@ async def open_services(
             namespace=cache_namespace(info),
             dim=info.dim,
             per_item_ms=lambda: batcher.per_item_ms,
+            on_lookup=lambda seconds: services.latency.observe_stage("cache_lookup", seconds),
         )
         stack.push_async_callback(embedder.aclose)
 
@@ -214,6 +215,6 @@ async def open_services(
         services = Services(settings, engine, batcher, embedder, index, registry)
         batcher.on_queue_wait = lambda _lane, seconds: services.latency.observe_stage(
             "queue_wait", seconds
-        )
+        )  # both hooks (this one and the cache's on_lookup) are first called after this line
         stack.callback(services.snapshot)  # exit runs in reverse: saved first, engine closed last
         yield services

@@ -267,6 +267,7 @@ def test_request_stages_and_engine_health_families(client: TestClient) -> None:
     assert miss_requests == 4
     assert total(m, stage, stage="queue_wait") == miss_requests
     assert total(m, stage, stage="index") == 1  # one recommend, one index search
+    assert total(m, stage, stage="cache_lookup") == 5  # every request looked its texts up once
     assert total(m, "fleetcache_engine_serving", engine="primary") == 1
     assert total(m, "fleetcache_engine_serving", engine="none") == 0
     assert total(m, "fleetcache_engine_healthy") == 1
