@@ -28,8 +28,12 @@ TEXTS = [
 ] + [f"driver {i} vehicle van capacity {i * 3} kg zone {i % 7}" for i in range(36)]
 
 
+# read at import: tests/conftest.py clears every FLEETCACHE_* variable before each test
+GPU_MODEL = os.environ.get("FLEETCACHE_GPU_MODEL")
+
+
 def model_path() -> str:
-    return os.environ.get("FLEETCACHE_GPU_MODEL") or str(default_model_path())
+    return GPU_MODEL or str(default_model_path())
 
 
 @pytest.fixture(scope="module")
