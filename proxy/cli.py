@@ -83,8 +83,8 @@ def serve(
         f"  {base}/readyz turns 200 once the engine is warm and the fleet is loaded\n"
         f"  try: curl {base}/v1/stats | curl {base}/docs | fleetcache stats --url {base}"
     )
-    app_ = create_app(settings, freeze_gc=True)
-    uvicorn.run(app_, host=host, port=port, log_level=log_level)
+    proxy = create_app(settings, freeze_gc=True)  # heap frozen once started: short GC pauses
+    uvicorn.run(proxy, host=host, port=port, log_level=log_level)
 
 
 def count_rows(path: Path) -> int | None:
