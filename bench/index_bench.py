@@ -13,8 +13,11 @@ centres) gets one random unit vector *per driver* (gaussian, normalised; no mode
 - ``get_driver`` (a record parsed from its stored JSON) one call at a time;
 - memory per driver: RSS growth from before the fleet was generated to after the upsert,
   divided by n (the generated records are dropped chunk by chunk, so this is the store's), and
-  the bytes of the FAISS vectors (the store's only copy);
-- snapshot ``save`` and ``load`` time;
+  the bytes of the FAISS vectors (the exact copy) and of the int8 copy (``recommend``'s first
+  pass over many candidates);
+- snapshot ``save`` and ``load`` time; the save runs in a worker thread while the main thread
+  calls ``get_driver`` every 0.5 ms, and the longest such call is reported (how long the save
+  can hold up a dispatch request: the store's lock, or the GIL);
 - ``recommend`` again, the same orders, on the loaded store (``save`` writes rows in grid-cell
   order, so neighbours' vectors are adjacent; the live store has them in upsert order).
 
@@ -38,6 +41,7 @@ import platform
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -106,6 +110,8 @@ def bench_size(n: int, dim: int, runs: int, seed: int) -> dict[str, str]:
         "upsert drivers/s p50 (p1)": f"{statistics.median(rates):,.0f} ({pct(rates, 1):,.0f})",
         "RSS/driver (B)": f"{(rss1 - rss0) / n:,.0f}",
         "FAISS vectors/driver (B)": f"{dim * 4:,}",
+        # recommend's first pass: int8 codes plus a float32 scale and error bound per row
+        "int8 copy/driver (B)": f"{dim + 8:,}",
     }
 
     # Single-call position updates.
@@ -152,10 +158,10 @@ def bench_size(n: int, dim: int, runs: int, seed: int) -> dict[str, str]:
 
     tmp = Path(tempfile.mkdtemp(prefix="index-bench-"))
     try:
-        save_s, load_s = [], []
+        save_s, load_s, stall_ms = [], [], []
         for _ in range(max(1, runs // 2) if n >= 1_000_000 else runs):
             t = time.perf_counter()
-            store.save(tmp)
+            stall_ms.append(save_stall_ms(store, tmp, ids, rng))
             save_s.append(time.perf_counter() - t)
             del store  # one store in memory at a time: the loaded one carries on
             gc.collect()
@@ -165,11 +171,31 @@ def bench_size(n: int, dim: int, runs: int, seed: int) -> dict[str, str]:
             assert len(store) == n
         out["save s (median)"] = f"{statistics.median(save_s):.2f}"
         out["load s (median)"] = f"{statistics.median(load_s):.2f}"
+        out["longest get_driver during save (ms)"] = f"{max(stall_ms):.1f}"
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     # The same orders on the loaded store, whose rows the snapshot wrote in grid-cell order.
     out.update(recommend_rows(store, orders, q, "recommend after load"))
     return out
+
+
+def save_stall_ms(
+    store: FleetVectorStore, directory: Path, ids: list[str], rng: np.random.Generator
+) -> float:
+    """Save from a worker thread (as the proxy does) while this thread calls ``get_driver``
+    every half millisecond; the longest call is how long a dispatch request could wait on the
+    store's lock (or the GIL) because of the save."""
+    saver = threading.Thread(target=store.save, args=(directory,))
+    longest = 0.0
+    saver.start()
+    while saver.is_alive():
+        driver_id = ids[int(rng.integers(len(ids)))]
+        t = time.perf_counter()
+        store.get_driver(driver_id)
+        longest = max(longest, time.perf_counter() - t)
+        time.sleep(0.0005)
+    saver.join()
+    return longest * 1e3
 
 
 def make_orders(

@@ -59,6 +59,10 @@ class Columns:
             getattr(bigger, name)[: len(old)] = old
         return bigger
 
+    def head(self, rows: int) -> Columns:
+        """A copy of the first ``rows`` rows."""
+        return Columns(**{name: a[:rows].copy() for name, a in self.arrays().items()})
+
     def take(self, rows: npt.NDArray[np.int64]) -> Columns:
         """A copy of these rows, in this order."""
         return Columns(**{name: a[rows] for name, a in self.arrays().items()})

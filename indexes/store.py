@@ -17,17 +17,21 @@ live status and position laid over the stored JSON (``_record``).
 
 ``recommend`` is a handful of numpy operations over the slots the grid finds near the pickup
 (exact haversine, then constraint bits and cargo), then one FAISS inner-product call over the
-surviving rows, by index, without copying them.
+surviving rows, by index, without copying them. With many candidates an int8 copy of the rows
+(``indexes.quantized``) first rules out those that provably cannot reach the top k, so the
+exact call reads only the few that can; the answer is the same, bit for bit.
 
 With faiss-gpu and a GPU, unrestricted ``query`` searches a GPU replica of the flat index,
 rebuilt after vectors change (``gpu=True`` requires it, ``None`` uses it when present).
 
 The store is meant for one thread (the proxy's event loop); an internal lock also makes
-``save`` from a worker thread safe (it copies the state under the lock, then writes without it).
+``save`` from a worker thread safe (it copies the state in short turns under the lock, then
+writes without it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -55,6 +59,7 @@ from indexes.columns import Columns
 from indexes.errors import FleetIndexError, SnapshotError, VectorError
 from indexes.geo import GeoGrid
 from indexes.nodes import compile_filters, driver_node, record_from_node
+from indexes.quantized import QuantizedRows
 
 Vectors = npt.NDArray[np.float32]
 Slots = npt.NDArray[np.int64]
@@ -68,6 +73,13 @@ _MAX_BITS = 64  # constraints with a column bit; any further one is evaluated on
 # 3 km query visits ~16 cells holding about twice the drivers in the circle; 0.05 degrees
 # gathered (and distance-tested) 5 to 10 times them.
 CELL_DEG = 0.02
+# save copies vectors in chunks of this many rows, each under the lock (~10 ms at 1M drivers,
+# rows scattered), and gives up copying outside the lock after this many restarts.
+_SAVE_CHUNK = 8192
+_SAVE_TRIES = 3
+# recommend scores up to this many candidates exactly in one pass; above it (and above 4 k),
+# an int8 first pass keeps only those that may reach the top k (a quarter of the bytes read).
+_EXACT_UP_TO = 2048
 
 
 @dataclass(frozen=True)
@@ -101,6 +113,7 @@ class FleetVectorStore(BasePydanticVectorStore):
     _flat: faiss.IndexFlatIP = PrivateAttr()
     _replica: gpu.Replica | None = PrivateAttr(default=None)
     _next_id: int = PrivateAttr(default=0)
+    _epoch: int = PrivateAttr(default=0)  # bumped whenever a vector or the slot layout changes
     _grid: GeoGrid = PrivateAttr()  # available drivers only
     _constraints: tuple[str, ...] = PrivateAttr()
     _slot_of: dict[str, int] = PrivateAttr(default_factory=dict)
@@ -108,6 +121,7 @@ class FleetVectorStore(BasePydanticVectorStore):
     _vehicles: list[str] = PrivateAttr(default_factory=list)  # slot -> vehicle_id
     _json: list[bytes] = PrivateAttr(default_factory=list)  # slot -> record as upserted
     _cols: Columns = PrivateAttr()
+    _quant: QuantizedRows = PrivateAttr()  # int8 copy of the rows, for recommend's first pass
 
     def __init__(self, dim: int, *, cell_deg: float = CELL_DEG, gpu: bool | None = None) -> None:
         super().__init__(stores_text=True)
@@ -119,6 +133,7 @@ class FleetVectorStore(BasePydanticVectorStore):
         self._grid = GeoGrid(cell_deg)
         self._constraints = tuple(CONSTRAINTS)[:_MAX_BITS]
         self._cols = Columns.empty(0)
+        self._quant = QuantizedRows(dim, _UNIT_TOLERANCE)
 
     @classmethod
     def class_name(cls) -> str:
@@ -225,6 +240,8 @@ class FleetVectorStore(BasePydanticVectorStore):
             self._next_id += len(recs)
             cols = priv["_cols"] = priv["_cols"].grown(n)
             cols.put(slots, fids, fields)
+            priv["_quant"].grow(n)
+            priv["_quant"].put(slots, vecs)
             self._sync_grid(slots)
 
     def update_driver(
@@ -325,10 +342,15 @@ class FleetVectorStore(BasePydanticVectorStore):
             considered = int(slots.size)
             keep = self._eligible(slots, names, order)  # status: the grid holds available only
             slots, dist = slots[keep], dist[keep]
-            # Every candidate gets a score (the tie rules need them all), computed in place in
-            # the flat index by FAISS's own kernel: bit-identical to what a FAISS search of the
-            # whole index reports for that driver (numpy's BLAS would round a row differently
-            # depending on its place in the batch).
+            if slots.size > max(_EXACT_UP_TO, 4 * order.k):
+                # Many candidates: drop those that provably cannot reach the top k (ties
+                # included), by int8 scores and their error bounds (``indexes.quantized``).
+                keep = self._may_reach_top(q, slots, order.k)
+                slots, dist = slots[keep], dist[keep]
+            # Every remaining candidate gets a score (the tie rules need them all), computed
+            # in place in the flat index by FAISS's own kernel: bit-identical to what a FAISS
+            # search of the whole index reports for that driver (numpy's BLAS would round a
+            # row differently depending on its place in the batch).
             sims = _inner_products(self._rows(), q, slots)
             return Recommendation(self._top(slots, sims, dist, order.k), considered)
 
@@ -341,29 +363,21 @@ class FleetVectorStore(BasePydanticVectorStore):
         append and moves keep rows, so a live store drifts from that order until it is
         saved and loaded again.
 
-        The state is copied under the store's lock (vectors and columns: one to two seconds for
-        1,000,000 drivers); the files are written without it, so a save from a worker thread
-        does not block the event loop's calls for the writing. Saves of one store are
-        serialised.
+        The state is copied without holding the store's lock for long: the columns and the
+        slot lists under it (tens of milliseconds at 1,000,000 drivers), then the vectors in
+        chunks of ``_SAVE_CHUNK`` rows, each under the lock and only while no vector has
+        changed since the columns were copied (``_epoch``); an upsert or delete meanwhile
+        restarts the copy, and after ``_SAVE_TRIES`` restarts the copy holds the lock
+        throughout (as every save once did: ~2 s at 1,000,000 drivers). The files are written
+        without the lock. Saves of one store are serialised.
         """
         with self._save_lock:
-            with self._lock:
-                n = len(self)
-                cols = self._cols
-                order = np.argsort(self._grid.cell_keys(cols.lat[:n], cols.lng[:n]), kind="stable")
-                rows = order.tolist()
-                ids, vehicles, blobs = self._ids, self._vehicles, self._json  # locals: see _record
-                snap = snapshot.Snapshot(
-                    dim=self._dim,
-                    next_id=self._next_id,
-                    vectors=self._rows()[order],
-                    driver_ids=[ids[i] for i in rows],
-                    vehicle_ids=[vehicles[i] for i in rows],
-                    records=[blobs[i] for i in rows],
-                    columns=cols.take(order),
-                    statuses=STATUSES,
-                    constraints=self._constraints,
-                )
+            snap, tries = self._copy_state(), 0
+            while snap is None:
+                tries += 1
+                # The last try holds the (reentrant) lock throughout: it cannot fail.
+                with self._lock if tries == _SAVE_TRIES else contextlib.nullcontext():
+                    snap = self._copy_state()
             snapshot.write(Path(directory), snap)
 
     @classmethod
@@ -475,6 +489,7 @@ class FleetVectorStore(BasePydanticVectorStore):
     # -- internals -----------------------------------------------------------------------------
 
     def _vectors_changed(self) -> None:
+        self._epoch += 1  # a save copying vectors outside the lock starts over
         if self._replica is not None:
             self._replica.invalidate()
 
@@ -543,7 +558,7 @@ class FleetVectorStore(BasePydanticVectorStore):
         order = sorted(set(slots), reverse=True)
         if not order:
             return
-        rows, cols, grid = self._rows(), self._cols, self._grid
+        rows, cols, grid, quant = self._rows(), self._cols, self._grid, self._quant
         ids, vehicles, blobs, slot_of = self._ids, self._vehicles, self._json, self._slot_of
         for slot in order:
             last = len(ids) - 1
@@ -551,6 +566,7 @@ class FleetVectorStore(BasePydanticVectorStore):
             grid.remove(slot)
             if slot != last:
                 rows[slot] = rows[last]
+                quant.copy_row(last, slot)
                 cols.copy_row(last, slot)
                 moved_id = ids[slot] = ids[last]
                 vehicles[slot] = vehicles[last]
@@ -568,6 +584,34 @@ class FleetVectorStore(BasePydanticVectorStore):
         self._flat.ntotal = n
         self._vectors_changed()
 
+    def _copy_state(self) -> snapshot.Snapshot | None:
+        """The store as a snapshot in grid-cell row order (see ``save``), or None when a
+        vector changed while the vectors were being copied."""
+        with self._lock:
+            epoch, n, next_id = self._epoch, len(self), self._next_id
+            cols = self._cols.head(n)
+            ids, vehicles, blobs = self._ids[:], self._vehicles[:], self._json[:]
+        order = np.argsort(self._grid.cell_keys(cols.lat, cols.lng), kind="stable")
+        vectors = np.empty((n, self._dim), dtype=np.float32)
+        for start in range(0, n, _SAVE_CHUNK):
+            with self._lock:
+                if self._epoch != epoch:
+                    return None
+                chunk = order[start : start + _SAVE_CHUNK]
+                np.take(self._rows(), chunk, axis=0, out=vectors[start : start + chunk.size])
+        rows = order.tolist()
+        return snapshot.Snapshot(
+            dim=self._dim,
+            next_id=next_id,
+            vectors=vectors,
+            driver_ids=[ids[i] for i in rows],
+            vehicle_ids=[vehicles[i] for i in rows],
+            records=[blobs[i] for i in rows],
+            columns=cols.take(order),
+            statuses=STATUSES,
+            constraints=self._constraints,
+        )
+
     def _restore(self, snap: snapshot.Snapshot) -> None:
         """Adopt a snapshot (into an empty store)."""
         with self._lock:
@@ -577,8 +621,11 @@ class FleetVectorStore(BasePydanticVectorStore):
             self._flat.codes.resize(n * self._flat.code_size)
             self._flat.ntotal = n
             rows = self._rows()
-            for start in range(0, n, 65_536):
-                rows[start : start + 65_536] = snap.vectors[start : start + 65_536]
+            self._quant.grow(n)
+            for start in range(0, n, 4096):  # chunks that stay in the cache while quantised
+                part = slice(start, start + 4096)
+                rows[part] = snap.vectors[part]
+                self._quant.put(np.arange(start, min(n, start + 4096)), rows[part])
             self._next_id = snap.next_id
             self._ids = snap.driver_ids
             self._vehicles = snap.vehicle_ids
@@ -627,6 +674,17 @@ class FleetVectorStore(BasePydanticVectorStore):
                 pred = CONSTRAINTS[name]
                 keep &= [pred(self._record(s)) for s in slots.tolist()]
         return keep
+
+    def _may_reach_top(self, q: Vectors, slots: Slots, k: int) -> npt.NDArray[np.bool_]:
+        """Which of ``slots`` (more than k) may be among the k best by exact score, ties
+        included: those whose upper bound reaches the k-th largest lower bound. Every other
+        one scores strictly below at least k candidates, so it is in no top k."""
+        quant = self._quant
+        approx = quant.scores(q, slots)
+        eps = quant.bounds(q, slots)
+        lower = approx - eps
+        kth_lower = np.partition(lower, slots.size - k)[slots.size - k]
+        return approx + eps >= kth_lower
 
     def _top(
         self, slots: Slots, sims: Vectors, dist: npt.NDArray[np.float64], k: int

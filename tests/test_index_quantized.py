@@ -1,0 +1,149 @@
+"""recommend's int8 first pass (indexes/quantized.py) must not change a single answer: with
+many candidates it drops only those that provably cannot reach the top k, so every answer is
+the exact one, bit for bit, on fleets built to stress exact ties and near-ties."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from features.models import DriverRecord, Order
+from indexes import FleetVectorStore, Recommendation
+from indexes import store as store_module
+from tests.test_index import (
+    DIM,
+    PROPERTY,
+    SHANGHAI,
+    assert_recommendation,
+    brute_force,
+    driver,
+    gaussian_unit,
+    off_the_circle,
+    order,
+    quantized_unit,
+)
+
+Fleet = dict[str, tuple[DriverRecord, np.ndarray]]
+
+
+def build(recs: list[DriverRecord], vecs: np.ndarray) -> tuple[FleetVectorStore, Fleet]:
+    store = FleetVectorStore(vecs.shape[1])
+    store.upsert_drivers(recs, vecs)
+    return store, {r.driver_id: (r, v) for r, v in zip(recs, vecs, strict=True)}
+
+
+def scattered(rng: np.random.Generator, n: int, spread: float = 0.03) -> list[DriverRecord]:
+    lat, lng = SHANGHAI
+    return [
+        driver(i, lat + float(rng.normal(0, spread)), lng + float(rng.normal(0, spread)))
+        for i in range(n)
+    ]
+
+
+def near_ties(rng: np.random.Generator, n: int, dim: int = DIM) -> np.ndarray:
+    """A few base vectors, each shared exactly by some drivers and nudged by 1e-7 to 1e-4 for
+    others: int8 codes cannot tell them apart, exact scores can (or tie exactly)."""
+    base = gaussian_unit(rng, 4, dim)[rng.integers(4, size=n)]
+    nudge = rng.normal(size=(n, dim)) * rng.choice([0.0, 1e-7, 1e-5, 1e-4], size=(n, 1))
+    vecs = (base + nudge).astype(np.float32)
+    return vecs / np.linalg.norm(vecs, axis=1, keepdims=True)
+
+
+@pytest.fixture
+def patcher() -> Iterator[pytest.MonkeyPatch]:
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def plain(
+    store: FleetVectorStore, mp: pytest.MonkeyPatch, o: Order, q: np.ndarray
+) -> Recommendation:
+    """The answer of the plain path: every candidate scored exactly."""
+    mp.setattr(store_module, "_EXACT_UP_TO", 10**9)
+    try:
+        return store.recommend(o, q)
+    finally:
+        mp.undo()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_dense_fleet_of_near_ties_gets_the_exact_answer(
+    seed: int, patcher: pytest.MonkeyPatch
+) -> None:
+    # 6,000 drivers within ~5 km: well above the size where the first pass starts.
+    rng = np.random.default_rng(seed)
+    recs = scattered(rng, 6000)
+    store, fleet = build(recs, near_ties(rng, len(recs)))
+    for i, (radius, k) in enumerate([(3.0, 1), (5.0, 10), (8.0, 50), (20.0, 200)]):
+        o = order(radius_km=radius, k=k)
+        # The query: one of the base directions (many exact ties), or a random one.
+        q = gaussian_unit(rng, 1)[0] if i % 2 else fleet[recs[i].driver_id][1]
+        got = store.recommend(o, q)
+        assert got.considered > store_module._EXACT_UP_TO  # the first pass ran
+        assert got == plain(store, patcher, o, q)  # bit for bit, ties included
+        # (No float64 brute force here: near-ties 1e-7 apart are ordered by float32 scores,
+        # which the plain path computes and tests/test_index.py checks against brute force.)
+        assert got.considered == brute_force(fleet, o, q, off_the_circle)[0]
+        assert len(got.candidates) == k
+
+
+def test_when_every_candidate_survives_the_bound_the_answer_is_still_exact(
+    patcher: pytest.MonkeyPatch,
+) -> None:
+    # Every driver has the same vector: all scores tie, the bound drops nobody, and distance
+    # then driver_id decide (drivers share positions in pairs, so ids break ties too).
+    rng = np.random.default_rng(3)
+    recs = scattered(rng, 1500)
+    recs += [driver(f"E{r.driver_id[1:]}", r.position.lat, r.position.lng) for r in recs]
+    vecs = np.repeat(quantized_unit(3)[None, :], len(recs), axis=0)
+    store, fleet = build(recs, vecs)
+    o = order(radius_km=50.0, k=25)
+    q = quantized_unit(3)  # scores are exact in float32 and float64 alike: 1.0
+    slots = np.arange(len(store))
+    assert store._may_reach_top(q, slots, o.k).all()  # the premise of this test
+    got = store.recommend(o, q)
+    assert got.considered == len(recs)
+    assert got == plain(store, patcher, o, q)
+    considered, expected = brute_force(fleet, o, q, off_the_circle)
+    assert_recommendation(got, considered, expected, o.k)
+
+
+@PROPERTY
+@given(st.data())
+def test_the_first_pass_never_changes_an_answer(data: st.DataObject) -> None:
+    """Forced on for every order (even tiny ones), through upserts, deletes and moves."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
+    n = data.draw(st.integers(5, 120), label="drivers")
+    recs = scattered(rng, n, spread=0.01)
+    kind = data.draw(st.sampled_from(["ties", "near-ties", "gaussian"]), label="vectors")
+    if kind == "ties":
+        vecs = np.stack([quantized_unit(int(s)) for s in rng.integers(0, 40, size=n)])
+    else:
+        vecs = near_ties(rng, n) if kind == "near-ties" else gaussian_unit(rng, n)
+    store, fleet = build(recs, vecs)
+    for victim in data.draw(st.lists(st.integers(0, n - 1), max_size=10), label="deletes"):
+        store.delete_driver(recs[victim].driver_id)
+        fleet.pop(recs[victim].driver_id, None)
+    again = data.draw(st.lists(st.integers(0, n - 1), max_size=10), label="re-upserts")
+    for i in again:  # back with a new vector (reuses freed slots' neighbours)
+        vec = gaussian_unit(rng, 1)[0]
+        store.upsert_drivers([recs[i]], vec[None, :])
+        fleet[recs[i].driver_id] = (recs[i], vec)
+    with pytest.MonkeyPatch.context() as mp:
+        for _ in range(3):
+            o = order(
+                radius_km=data.draw(st.sampled_from([0.5, 1.0, 3.0, 10.0])),
+                k=data.draw(st.integers(1, 30), label="k"),
+            )
+            q = gaussian_unit(rng, 1)[0] if rng.random() < 0.5 else vecs[rng.integers(n)]
+            want = plain(store, mp, o, q)
+            mp.setattr(store_module, "_EXACT_UP_TO", 0)
+            assert store.recommend(o, q) == want
+            mp.undo()
+            if kind != "near-ties":  # see test_a_dense_fleet_of_near_ties_...
+                considered, expected = brute_force(fleet, o, q, off_the_circle)
+                assert_recommendation(want, considered, expected, o.k, sim_tol=1e-5)
