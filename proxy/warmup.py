@@ -226,31 +226,83 @@ async def _abandon(tasks: list[asyncio.Task[tuple[int, int, int]]]) -> None:
 class LocalSink:
     """Straight into this process's services (the CLI's direct mode and the API's jobs).
 
-    A chunk goes to the cache in calls of at most ``slice_size`` records, all in flight
-    together, so the event loop (which serves dispatch in the proxy) never does more than
-    one slice's bookkeeping at a time; their texts are rendered in a thread. A driver id
-    already in an unfinished slice waits for it, so the file's later row wins (link and
-    index) as it would one chunk at a time.
+    A chunk goes to the cache in calls of at most ``slice_size`` records ("slices"); their
+    texts are rendered in a thread. A driver id already in an unfinished slice waits for
+    it, so the file's later row wins (link and index) as it would one chunk at a time.
+
+    Pacing: with no dispatch lookup in the last ``live_s`` seconds every slice of a chunk
+    starts at once (full speed). While dispatch traffic is live, a slice starts only when
+    fewer than ``paced_slices`` are unfinished (enough to keep one full batch queued at the
+    batcher) and the event loop answers a yield within ``max_lag_s``: asyncio's ready queue
+    is first come first served, so every warm-up step queued before a dispatch request's
+    next step delays it. Measured (fake engine, 2 cores): with ~100 slices in flight a
+    yield took 3.5 ms at p50 and 30 ms at p99 during a warm-up, 0.2/0.8 ms idle.
     """
 
-    def __init__(self, services: Services, slice_size: int = 64) -> None:
+    def __init__(
+        self,
+        services: Services,
+        slice_size: int = 64,
+        *,
+        live_s: float = 1.0,
+        max_lag_s: float = 0.002,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.services = services
         self.slice_size = slice_size
+        self.live_s = live_s
+        self.max_lag_s = max_lag_s
+        self.paced_slices = -(-services.batcher.max_batch_size // slice_size) + 1
+        self.paced = 0  # slices that waited for dispatch traffic (progress, tests)
+        self._clock = clock
         self._holder: dict[str, asyncio.Task[tuple[int, int]]] = {}  # driver id -> its slice
+        self._slices: set[asyncio.Task[tuple[int, int]]] = set()  # unfinished slices
+        self._admit = asyncio.Lock()  # slices start in file order, one chunk after another
+        self._slice_done = asyncio.Event()
+        self._dispatch_seen: tuple[int, float] | None = None  # (lookups, when they changed)
 
     async def upsert(self, records: list[DriverRecord]) -> tuple[int, int, int]:
-        texts = await asyncio.to_thread(lambda: [driver_text(r) for r in records])
         size, parts = self.slice_size, []
-        for i in range(0, len(records), size):
-            part = records[i : i + size]
-            ids = [r.driver_id for r in part]
-            before = {task for d in ids if (task := self._holder.get(d)) is not None}
-            task = asyncio.create_task(self._upsert(part, texts[i : i + size], before))
-            task.add_done_callback(functools.partial(self._release, ids))
-            self._holder.update(dict.fromkeys(ids, task))
-            parts.append(task)
+        async with self._admit:
+            texts = await asyncio.to_thread(lambda: [driver_text(r) for r in records])
+            for i in range(0, len(records), size):
+                await self._pace()
+                part = records[i : i + size]
+                ids = [r.driver_id for r in part]
+                before = {task for d in ids if (task := self._holder.get(d)) is not None}
+                task = asyncio.create_task(self._upsert(part, texts[i : i + size], before))
+                task.add_done_callback(functools.partial(self._release, ids))
+                self._holder.update(dict.fromkeys(ids, task))
+                self._slices.add(task)
+                parts.append(task)
         counts = await asyncio.gather(*parts)
         return len(records), sum(c[0] for c in counts), sum(c[1] for c in counts)
+
+    def dispatch_live(self) -> bool:
+        """Whether a lookup by any caller but ``warmup`` happened in the last ``live_s``
+        seconds."""
+        by_caller = self.services.embedder.by_caller()
+        lookups = sum(sum(c.values()) for name, c in by_caller.items() if name != "warmup")
+        now = self._clock()
+        if self._dispatch_seen is None:  # those before the job started tell nothing
+            self._dispatch_seen = (lookups, float("-inf"))
+        elif lookups != self._dispatch_seen[0]:
+            self._dispatch_seen = (lookups, now)
+        return now - self._dispatch_seen[1] <= self.live_s
+
+    async def _pace(self) -> None:
+        """Wait, while dispatch traffic is live, for room among the slices and a quiet loop."""
+        waited = False
+        while self.dispatch_live():
+            if len(self._slices) >= self.paced_slices:
+                self._slice_done.clear()
+                await self._slice_done.wait()
+            elif await _loop_lag() > self.max_lag_s:
+                await asyncio.sleep(self.max_lag_s)
+            else:
+                break
+            waited = True
+        self.paced += waited
 
     async def _upsert(
         self, records: list[DriverRecord], texts: list[str], before: set[asyncio.Task[Any]]
@@ -264,9 +316,19 @@ class LocalSink:
         for driver_id in ids:
             if self._holder.get(driver_id) is task:
                 del self._holder[driver_id]
+        self._slices.discard(task)
+        self._slice_done.set()
 
     async def commit(self) -> None:
         await asyncio.to_thread(self.services.snapshot)
+
+
+async def _loop_lag() -> float:
+    """Seconds until the event loop comes back to a task that yields: the time every
+    callback ready before it takes to run."""
+    started = time.perf_counter()
+    await asyncio.sleep(0)
+    return time.perf_counter() - started
 
 
 class RemoteSink:

@@ -1,0 +1,80 @@
+"""Warm-up pacing: a job yields to live dispatch traffic and runs at full speed without it."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from features.readers import write_records
+from features.synthetic import generate_fleet
+from proxy.services import Services, open_services
+from proxy.warmup import LocalSink, WarmupProgress, run_warmup
+from tests.conftest import make_settings
+
+N = 2_000
+
+
+def count_concurrent_upserts(services: Services, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Wrap the services' upsert: [in flight now, most ever in flight at once]."""
+    seen = [0, 0]
+    upsert = services.upsert_drivers
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        seen[0] += 1
+        seen[1] = max(seen)
+        try:
+            return await upsert(*args, **kwargs)
+        finally:
+            seen[0] -= 1
+
+    monkeypatch.setattr(services, "upsert_drivers", counted)
+    return seen
+
+
+async def warm_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, dispatch: bool) -> None:
+    source = tmp_path / "fleet.jsonl"
+    drivers = generate_fleet(N, seed=3)
+    write_records(drivers, source)
+    async with open_services(make_settings(tmp_path / "data")) as services:
+        await services.embed(["cached order text"], "dispatch")  # before the job: not traffic
+        seen = count_concurrent_upserts(services, monkeypatch)
+        # A frozen clock: once a dispatch lookup is seen, traffic stays live for the whole job.
+        sink = LocalSink(services, slice_size=16, clock=lambda: 0.0)
+        assert not sink.dispatch_live()
+        if dispatch:  # traffic already live when the job starts
+            await services.embed(["cached order text"], "dispatch")
+            assert sink.dispatch_live()
+        progress = WarmupProgress(source=str(source))
+        job = asyncio.create_task(run_warmup(source, sink, progress, chunk_size=200))
+        lookups = 0
+        while dispatch and not job.done():
+            result = await services.embed(["cached order text"], "dispatch")
+            assert result.misses == 0
+            lookups += 1
+            await asyncio.sleep(0)
+        await job
+        assert progress.state == "done"
+        assert (progress.indexed, progress.embedded + progress.cached) == (N, N)
+        assert len(services.index) == N
+        assert all(services.index.get_driver(d.driver_id) == d for d in drivers[::97])
+        if dispatch:
+            assert lookups > 0 and sink.paced > 0
+            assert seen[1] <= sink.paced_slices  # never more slices at once than the bound
+        else:
+            assert sink.paced == 0
+            assert seen[1] > sink.paced_slices  # a whole chunk's slices at once
+
+
+def test_warmup_paces_itself_while_dispatch_traffic_is_live(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asyncio.run(warm_up(tmp_path, monkeypatch, dispatch=True))
+
+
+def test_warmup_runs_unpaced_without_dispatch_traffic(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asyncio.run(warm_up(tmp_path, monkeypatch, dispatch=False))
