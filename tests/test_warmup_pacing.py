@@ -54,7 +54,7 @@ async def warm_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, dispatch: 
             result = await services.embed(["cached order text"], "dispatch")
             assert result.misses == 0
             lookups += 1
-            await asyncio.sleep(0)
+            await asyncio.sleep(0.005)  # steady traffic that leaves the loop some idle time
         await job
         assert progress.state == "done"
         assert (progress.indexed, progress.embedded + progress.cached) == (N, N)
