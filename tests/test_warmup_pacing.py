@@ -10,6 +10,7 @@ import pytest
 
 from features.readers import write_records
 from features.synthetic import generate_fleet
+from proxy import warmup
 from proxy.services import Services, open_services
 from proxy.warmup import LocalSink, WarmupProgress, run_warmup
 from tests.conftest import make_settings
@@ -78,3 +79,16 @@ def test_warmup_runs_unpaced_without_dispatch_traffic(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     asyncio.run(warm_up(tmp_path, monkeypatch, dispatch=False))
+
+
+@pytest.mark.timeout(120)
+def test_paced_warmup_still_progresses_when_the_loop_is_never_quiet(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # e.g. a CPU engine keeping every core busy: the lag check never passes, and each slice
+    # waits at most max_wait_s for it before it starts anyway
+    async def always_late() -> float:
+        return 1.0
+
+    monkeypatch.setattr(warmup, "_loop_lag", always_late)
+    asyncio.run(warm_up(tmp_path, monkeypatch, dispatch=True))
