@@ -17,6 +17,7 @@ from proxy.services import Services
 def inference_section(services: Services) -> dict[str, Any]:
     info = services.engine.info
     batcher = services.batcher.stats()
+    health = services.batcher.engine_health()  # asked once: one answer for both fields
     return {
         "items": batcher.items,
         "batches": batcher.batches,
@@ -27,8 +28,8 @@ def inference_section(services: Services) -> dict[str, Any]:
         **services.embedder.savings(),
         "failed_batches": batcher.failed_batches,
         "last_error": batcher.last_error,
-        "healthy": services.batcher.healthy,
-        "engine_health": asdict(services.batcher.engine_health()),
+        "healthy": health.healthy,
+        "engine_health": asdict(health),
         "expired_items": batcher.expired_items,
         "queue_wait_p50_ms": batcher.queue_wait_p50_ms,
         "queue_wait_p99_ms": batcher.queue_wait_p99_ms,
