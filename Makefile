@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve test test-fast check format bench clean
+.PHONY: install system-packages serve test test-fast check format bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,16 +18,22 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# redis-server, chromium + chromedriver, promtool: installed with apt-get when missing (or a
+# clear message naming the command), so that a fresh machine's `make test` runs every test.
+system-packages:
+	bash tests/system-packages.sh
+
 serve: $(STAMP)
 	FLEETCACHE_ENGINE=$${FLEETCACHE_ENGINE:-torch} \
 	FLEETCACHE_STORE=$${FLEETCACHE_STORE:-lmdb} \
 	FLEETCACHE_DEMO_DRIVERS=$${FLEETCACHE_DEMO_DRIVERS:-2000} \
 	HF_HUB_OFFLINE=1 $(BIN)/fleetcache serve --host $(HOST) --port $(PORT)
 
-test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/pytest -q
+# Only a test that needs a GPU may skip here: any other skip fails the run (tests/conftest.py).
+test: $(STAMP) system-packages
+	HF_HUB_OFFLINE=1 PYTEST_ONLY_GPU_SKIPS=1 $(BIN)/pytest -q
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) system-packages
 	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -m "not model"
 
 check: $(STAMP)

@@ -7,7 +7,7 @@ entity -> key links (links.py) and namespace pruning (prune.py).
 """
 
 from cache.codec import CorruptEntryError, ExpiredEntryError
-from cache.embedder import CachedEmbedder, ComputeFn, EmbedResult
+from cache.embedder import CachedEmbedder, ComputeFn, EmbedResult, InvalidTextError
 from cache.links import Entity, EntityLinks
 from cache.stores import (
     CacheStore,
@@ -27,6 +27,7 @@ __all__ = [
     "Entity",
     "EntityLinks",
     "ExpiredEntryError",
+    "InvalidTextError",
     "LmdbByteStore",
     "MemoryByteStore",
     "RedisByteStore",

@@ -68,6 +68,27 @@ TtlArg = float | Sequence[float | None] | None
 Status = Literal["hit", "coalesced", "miss"]
 
 
+class InvalidTextError(ValueError):
+    """A text that is not valid Unicode (a lone surrogate): refused before any lookup, so it
+    never reaches the engine, whose tokenizer cannot encode it."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(f"text {index} is not a valid Unicode string (a lone surrogate)")
+        self.index = index
+
+
+def check_texts(texts: Sequence[str]) -> None:
+    """``InvalidTextError`` for the first text that cannot be encoded as UTF-8."""
+    try:
+        "".join(texts).encode("utf-8")
+    except UnicodeEncodeError:
+        for i, text in enumerate(texts):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidTextError(i) from None
+
+
 @dataclass(frozen=True, slots=True)
 class EmbedResult:
     """The vectors of one call, in input order, and how each text was served.
@@ -469,7 +490,8 @@ class CachedEmbedder(_AsyncEmbeddings):
 
         ``lane`` defaults to ``"warmup"`` for caller ``"warmup"``, else ``"dispatch"``.
         ``ttl_s`` (seconds, one for every text or one per text, None: never) makes the
-        entries this call writes expire. Raises what ``compute`` raised (e.g.
+        entries this call writes expire. Raises ``InvalidTextError`` (nothing looked up)
+        for a text that is not valid Unicode, and what ``compute`` raised (e.g.
         ``EngineError``) for texts it had to compute.
         """
         return (await self._aembed(texts, caller, lane, ttl_s))[0]
@@ -479,6 +501,7 @@ class CachedEmbedder(_AsyncEmbeddings):
     ) -> tuple[EmbedResult, _Call]:
         """``aembed``, and the call's bookkeeping (its texts' keys)."""
         n = len(texts)
+        check_texts(texts)
         call = _Call(lane=lane or ("warmup" if caller == "warmup" else "dispatch"))
         if n == 0:
             return EmbedResult(np.empty((0, self.dim), np.float32), 0, 0, 0, ()), call

@@ -7,10 +7,14 @@ Exceptions translated here, one handler per family::
     APIError                        raised by our routes: status, type, message, param
     RequestValidationError          pydantic/FastAPI: 422 (400 for malformed JSON), param = field
     StarletteHTTPException          unknown path 404, wrong method 405, ...
+     +-- proxy.body.BodyError       a body refused at the edge: 400 invalid_json, or 422 for a
+                                    string that is not valid Unicode (param = its path)
     features UnknownConstraintError 422, param "constraints", lists the known ones
     engines QueueFullError          429 (retry later)
     engines DeadlineExceededError   503 "deadline_exceeded" (queued past its deadline; retry)
     engines EngineError             503 (the engine failed; hits are still served)
+    cache InvalidTextError          422 (a text that is not valid Unicode; the edge refuses
+                                    such bodies first, this guards every other way in)
     Exception                       500 "internal_error", logged with its traceback
 """
 
@@ -25,8 +29,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cache.embedder import InvalidTextError
 from engines.base import DeadlineExceededError, EngineError, QueueFullError
 from features.constraints import UnknownConstraintError
+from proxy.body import BodyError
 
 log = logging.getLogger("fleetcache.proxy")
 
@@ -91,6 +97,8 @@ def _api_error(request: Request, exc: Exception) -> JSONResponse:
 
 def _http(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
+    if isinstance(exc, BodyError):
+        return error_response(exc.status_code, exc.message, type=exc.type, param=exc.param)
     kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
     return error_response(exc.status_code, str(exc.detail), type=kind, headers=exc.headers)
 
@@ -121,6 +129,10 @@ def _engine(request: Request, exc: Exception) -> JSONResponse:
     return error_response(503, f"inference engine unavailable: {exc}", type="engine_error")
 
 
+def _invalid_text(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(422, str(exc), type="invalid_request_error")
+
+
 def _unhandled(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     return error_response(500, "internal error; see the server log", type="internal_error")
@@ -134,4 +146,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(QueueFullError, _queue_full)
     app.add_exception_handler(DeadlineExceededError, _deadline)
     app.add_exception_handler(EngineError, _engine)
+    app.add_exception_handler(InvalidTextError, _invalid_text)
     app.add_exception_handler(Exception, _unhandled)

@@ -103,3 +103,20 @@ class LiveServer:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Under ``make test`` (PYTEST_ONLY_GPU_SKIPS=1) a skip is a failure unless the test is
+    marked ``gpu``: a missing redis-server or browser must not pass as a green run."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if (
+        report.skipped
+        and os.environ.get("PYTEST_ONLY_GPU_SKIPS") == "1"
+        and item.get_closest_marker("gpu") is None
+        and not hasattr(report, "wasxfail")
+    ):
+        reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = f"skipped, but only GPU tests may skip under make test: {reason}"

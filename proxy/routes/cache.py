@@ -11,11 +11,12 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Request
 
+from proxy.body import JSONRoute
 from proxy.deps import ServicesDep
 from proxy.errors import APIError
 from proxy.settings import Settings
 
-router = APIRouter(tags=["cache"])
+router = APIRouter(tags=["cache"], route_class=JSONRoute)
 
 EntityKind = Literal["driver", "vehicle"]
 

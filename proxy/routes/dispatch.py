@@ -10,9 +10,10 @@ from fastapi import APIRouter
 from features.constraints import check_constraints
 from features.models import Order
 from features.text import order_text
+from proxy.body import JSONRoute
 from proxy.deps import CallerDep, ServicesDep
 
-router = APIRouter(tags=["dispatch"])
+router = APIRouter(tags=["dispatch"], route_class=JSONRoute)
 
 
 @router.post("/v1/dispatch/recommend")

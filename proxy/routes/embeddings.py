@@ -11,11 +11,12 @@ import numpy as np
 from fastapi import APIRouter, Response
 from pydantic import BaseModel, BeforeValidator, ConfigDict
 
+from proxy.body import JSONRoute
 from proxy.deps import CallerDep, ServicesDep
 from proxy.errors import APIError
 from proxy.responses import FastJSONResponse
 
-router = APIRouter(tags=["embeddings"])
+router = APIRouter(tags=["embeddings"], route_class=JSONRoute)
 _PIECES = re.compile(r"\w+|[^\w\s]")
 
 

@@ -10,11 +10,12 @@ from pydantic import BaseModel, ConfigDict
 from cache.links import Entity
 from features.models import DriverRecord, VehicleRecord
 from features.text import driver_text, vehicle_text
+from proxy.body import JSONRoute
 from proxy.deps import CallerDep, ServicesDep
 from proxy.errors import APIError
 from proxy.responses import FastJSONResponse
 
-router = APIRouter(tags=["features"])
+router = APIRouter(tags=["features"], route_class=JSONRoute)
 
 
 class FeaturesRequest(BaseModel):

@@ -13,12 +13,13 @@ from fastapi import APIRouter, Response
 from pydantic import BaseModel, ConfigDict
 
 from features.models import DriverRecord, Position, Status
+from proxy.body import JSONRoute
 from proxy.deps import CallerDep, ServicesDep
 from proxy.errors import APIError
 from proxy.responses import FastJSONResponse
 from proxy.routes.features import check_record_count
 
-router = APIRouter(tags=["fleet"])
+router = APIRouter(tags=["fleet"], route_class=JSONRoute)
 
 
 class UpsertRequest(BaseModel):

@@ -8,12 +8,13 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import HTMLResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from proxy.body import JSONRoute
 from proxy.dashboard import dashboard_html
 from proxy.deps import ServicesDep, not_started_reason
 from proxy.errors import error_response
 from proxy.stats import build_stats
 
-router = APIRouter(tags=["operators"])
+router = APIRouter(tags=["operators"], route_class=JSONRoute)
 
 
 @router.get("/v1/stats")

@@ -11,13 +11,14 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from proxy.body import JSONRoute, parse_json
 from proxy.deps import ServicesDep
 from proxy.errors import APIError
 from proxy.warmup import WarmupJobs, WarmupProgress, coverage
 
-router = APIRouter(tags=["warm-up"])
+router = APIRouter(tags=["warm-up"], route_class=JSONRoute)
 JSONL_TYPES = ("application/x-ndjson", "application/jsonl", "application/x-jsonlines")
 
 
@@ -64,9 +65,10 @@ async def start_warmup(request: Request, services: ServicesDep, jobs: JobsDep) -
                 out.write(block)
         path, chunk_size = upload, 500
     else:
+        raw = await request.body()
         try:
-            body = WarmupFromPath.model_validate_json(await request.body())
-        except ValueError as exc:
+            body = WarmupFromPath.model_validate(parse_json(raw) if raw.strip() else {})
+        except ValidationError as exc:
             raise APIError(
                 422,
                 f"send {{'path': ...}} as JSON or a JSONL body ({JSONL_TYPES[0]}): {exc}",

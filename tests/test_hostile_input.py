@@ -1,0 +1,188 @@
+"""Hostile bodies end at the edge (API.md v1.1, "Limits and hostile input"; issue 12).
+
+A string that is not valid Unicode (a lone surrogate, the JSON escape ``\\ud800``) in any field
+of any endpoint is a 422 naming the field: it is never looked up, never reaches the engine and
+never touches engine health. Bodies that are not JSON at all are one kind of error: 400
+``invalid_json``, whatever the reason (syntax, invalid UTF-8, nesting too deep).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from cache.embedder import CachedEmbedder, InvalidTextError
+from cache.stores import MemoryByteStore
+from engines.fake import FakeEngine
+from features.synthetic import generate_fleet
+from proxy.body import invalid_string_path, parse_json
+
+BAD = "x\ud800"
+
+
+def driver(**changes: Any) -> dict[str, Any]:
+    record = generate_fleet(1, seed=3)[0].model_dump(mode="json")
+    for dotted, value in changes.items():
+        target = record
+        *parents, last = dotted.split(".")
+        for part in parents:
+            target = target[part]
+        target[last] = value
+    return record
+
+
+# (method, path, body, the param the 422 must name)
+CASES = [
+    ("POST", "/v1/embeddings", {"input": [BAD]}, "input[0]"),
+    ("POST", "/v1/embeddings", {"input": ["ok", "fine", BAD]}, "input[2]"),
+    ("POST", "/v1/embeddings", {"input": BAD}, "input"),
+    ("POST", "/v1/embeddings", {"input": ["ok"], "model": BAD}, "model"),
+    ("POST", "/v1/features/embed", {"drivers": [driver(driver_id=BAD)]}, "drivers[0].driver_id"),
+    (
+        "POST",
+        "/v1/features/embed",
+        {"vehicles": [driver()["vehicle"] | {"vehicle_id": BAD}]},
+        "vehicles[0].vehicle_id",
+    ),
+    (
+        "POST",
+        "/v1/features/embed",
+        {"drivers": [driver(**{"profile.home_zone": BAD})]},
+        "drivers[0].profile.home_zone",
+    ),
+    (
+        "PUT",
+        "/v1/fleet/drivers",
+        {"drivers": [driver(), driver(**{"profile.certifications": ["hazmat", BAD]})]},
+        "drivers[1].profile.certifications[1]",
+    ),
+    ("PATCH", "/v1/fleet/drivers/D000000", {"status": BAD}, "status"),
+    (
+        "POST",
+        "/v1/dispatch/recommend",
+        {"order_id": "O1", "pickup": {"lat": 31.2, "lng": 121.4}, "requirements": BAD},
+        "requirements",
+    ),
+    (
+        "POST",
+        "/v1/dispatch/recommend",
+        {"order_id": "O1", "pickup": {"lat": 31.2, "lng": 121.4}, "constraints": [BAD]},
+        "constraints[0]",
+    ),
+    ("POST", "/v1/coverage", {"driver_ids": ["D1", BAD]}, "driver_ids[1]"),
+    ("POST", "/v1/warmup", {"path": BAD}, "path"),
+    ("POST", "/v1/embeddings", {"input": ["ok"], "extra": {BAD: 1}}, "extra"),
+]
+
+
+def send(client: TestClient, method: str, path: str, body: Any) -> Any:
+    raw = json.dumps(body)  # ensure_ascii: the surrogate travels as the escape \ud800
+    return client.request(method, path, content=raw, headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize(("method", "path", "body", "param"), CASES)
+def test_lone_surrogate_is_a_422_naming_the_field(
+    client: TestClient,
+    fake_engine: FakeEngine,
+    method: str,
+    path: str,
+    body: Any,
+    param: str,
+) -> None:
+    before = client.get("/v1/stats").json()
+    items = fake_engine.items
+    response = send(client, method, path, body)
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert fake_engine.items == items  # nothing reached the engine
+    assert client.get("/readyz").status_code == 200  # engine health untouched
+    after = client.get("/v1/stats")
+    assert after.status_code == 200  # and nothing left behind that breaks the stats
+    for key in ("hits", "misses", "coalesced"):
+        assert after.json()["cache"][key] == before["cache"][key]
+
+
+def test_a_bad_text_among_new_texts_fails_nobody_else(
+    client: TestClient, fake_engine: FakeEngine
+) -> None:
+    """Defect 1 of issue 12: one such request used to fail the batch of every client."""
+    items = fake_engine.items
+    for i in range(20):
+        assert send(client, "POST", "/v1/embeddings", {"input": [f"{BAD} {i}"]}).status_code == 422
+        good = client.post("/v1/embeddings", json={"input": [f"a new text {i}"]})
+        assert good.status_code == 200, good.text
+    stats = client.get("/v1/stats").json()
+    assert stats["inference"]["failed_batches"] == 0
+    assert stats["inference"]["items"] == 20 == fake_engine.items - items
+
+
+def test_coverage_with_a_bad_id_leaves_stats_serving(client: TestClient) -> None:
+    """Defect 3 of issue 12: a 500 that made every later /v1/stats (and dashboard) a 500."""
+    assert send(client, "POST", "/v1/coverage", {"driver_ids": [f"D{BAD}"]}).status_code == 422
+    assert client.get("/v1/stats").status_code == 200
+    assert client.post("/v1/coverage", json={"driver_ids": ["D1"]}).status_code == 200
+    stats = client.get("/v1/stats")
+    assert stats.status_code == 200
+    assert stats.json()["coverage"]["roster"] == 1
+
+
+@pytest.mark.parametrize(
+    ("raw", "what"),
+    [
+        (b'{"input": ["a"', "syntax"),
+        (b'{"input": ["\xff\xfe"]}', "invalid UTF-8"),
+        (b"[" * 5000 + b"]" * 5000, "nesting"),
+        (b'{"input": ["a"]} trailing', "trailing data"),
+    ],
+)
+def test_every_malformed_body_is_one_kind_of_error(
+    client: TestClient, raw: bytes, what: str
+) -> None:
+    """Defect 9 of issue 12: invalid UTF-8 and deep JSON used to answer 400 http_error."""
+    response = client.post(
+        "/v1/embeddings", content=raw, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400, (what, response.text)
+    assert response.json()["error"]["type"] == "invalid_json", what
+
+
+def test_valid_non_ascii_text_is_served(client: TestClient) -> None:
+    """Only invalid strings are refused: emoji (a surrogate pair escaped) and CJK pass."""
+    body = json.dumps({"input": ["冷藏车 \ud83d\ude9a", "électrique"]})
+    response = client.post(
+        "/v1/embeddings", content=body, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 200, response.text
+    assert len(response.json()["data"]) == 2
+
+
+def test_parse_json_matches_the_standard_parser_on_what_it_accepts() -> None:
+    assert parse_json(b'{"a": [1, 2.5, "x", null, true]}') == {"a": [1, 2.5, "x", None, True]}
+    assert parse_json(b'{"n": NaN}')["n"] != parse_json(b'{"n": NaN}')["n"]  # NaN, for models
+    assert parse_json(b"1" + b"0" * 400) == 10**400  # orjson refuses it; the models bound it
+    assert invalid_string_path({"a": [{"b": "ok"}, {"c": BAD}]}) == "a[1].c"
+    assert invalid_string_path({"a": "ok"}) is None
+
+
+def test_the_cache_refuses_invalid_text_before_any_lookup() -> None:
+    """Every way in (warm-up files, library callers), not only HTTP: nothing is computed."""
+    engine = FakeEngine(dim=8)
+    computed: list[str] = []
+
+    async def compute(texts: Any, lane: str) -> Any:
+        computed.extend(texts)
+        return np.stack([engine.vector(t) for t in texts])
+
+    cache = CachedEmbedder(compute, MemoryByteStore(2**20), namespace="t", dim=8)
+    with pytest.raises(InvalidTextError) as info:
+        asyncio.run(cache.aembed(["fine", BAD]))
+    assert info.value.index == 1
+    assert computed == []
+    assert cache.stats()["misses"] == 0
