@@ -12,14 +12,14 @@ centres) gets one random unit vector *per driver* (gaussian, normalised; no mode
   carry a constraint and a cargo;
 - ``get_driver`` (a record parsed from its stored JSON) one call at a time;
 - memory per driver: RSS growth from before the fleet was generated to after the upsert,
-  divided by n (the generated records are dropped chunk by chunk, so this is the store's), and
+  divided by n (the generated records are dropped chunk by chunk, so this is the table's), and
   the bytes of the FAISS vectors (the exact copy) and of the int8 copy (``recommend``'s first
   pass over many candidates);
 - snapshot ``save`` and ``load`` time; the save runs in a worker thread while the main thread
   calls ``get_driver`` every 0.5 ms, and the longest such call is reported (how long the save
-  can hold up a dispatch request: the store's lock, or the GIL);
-- ``recommend`` again, the same orders, on the loaded store (``save`` writes rows in grid-cell
-  order, so neighbours' vectors are adjacent; the live store has them in upsert order).
+  can hold up a dispatch request: the table's lock, or the GIL);
+- ``recommend`` again, the same orders, on the loaded table (``save`` writes rows in grid-cell
+  order, so neighbours' vectors are adjacent; the live table has them in upsert order).
 
 Latencies are pooled over all runs (median = p50). At the largest size the issue's targets
 (recommend p99 <= 10 ms, >= 100,000 position updates/s, load <= 10 s) are checked and the
@@ -50,7 +50,7 @@ import numpy as np
 
 from features.models import Cargo, LatLng, Order, Position
 from features.synthetic import iter_fleet
-from indexes import FleetVectorStore
+from indexes import FleetTable
 
 BATCH = 10_000
 RADII = (3.0, 5.0, 10.0)
@@ -82,7 +82,7 @@ def bench_size(n: int, dim: int, runs: int, seed: int) -> dict[str, str]:
     rng = np.random.default_rng(seed)
     gc.collect()
     rss0 = rss_bytes()
-    store = FleetVectorStore(dim)
+    table = FleetTable(dim)
     rates, gen_s = [], 0.0
     ids: list[str] = []
     lat0, lng0 = np.zeros(n), np.zeros(n)
@@ -95,7 +95,7 @@ def bench_size(n: int, dim: int, runs: int, seed: int) -> dict[str, str]:
             gen_s += time.perf_counter() - t
             vecs = unit_rows(rng, len(chunk), dim)
             t = time.perf_counter()
-            store.upsert_drivers(chunk, vecs)
+            table.upsert_drivers(chunk, vecs)
             rates.append(len(chunk) / (time.perf_counter() - t))
             ids += [r.driver_id for r in chunk]
             lat0[start : start + len(chunk)] = [r.position.lat for r in chunk]
@@ -127,11 +127,11 @@ def bench_size(n: int, dim: int, runs: int, seed: int) -> dict[str, str]:
         ]
         t = time.perf_counter()
         for driver_id, pos in moves:
-            store.update_driver(driver_id, position=pos)
+            table.update_driver(driver_id, position=pos)
         per_s.append(m / (time.perf_counter() - t))
     out["update_driver/s p50"] = f"{statistics.median(per_s):,.0f}"
 
-    if hasattr(store, "update_positions"):
+    if hasattr(table, "update_positions"):
         per_s = []
         for _ in range(runs * 5):
             pick = rng.integers(n, size=BATCH)
@@ -139,7 +139,7 @@ def bench_size(n: int, dim: int, runs: int, seed: int) -> dict[str, str]:
             lngs = np.clip(lng0[pick] + rng.uniform(-9e-4, 9e-4, BATCH), -180, 180)
             batch_ids = [ids[i] for i in pick.tolist()]
             t = time.perf_counter()
-            store.update_positions(batch_ids, lats, lngs)
+            table.update_positions(batch_ids, lats, lngs)
             per_s.append(BATCH / (time.perf_counter() - t))
         out["update_positions/s p50"] = f"{statistics.median(per_s):,.0f}"
 
@@ -148,50 +148,50 @@ def bench_size(n: int, dim: int, runs: int, seed: int) -> dict[str, str]:
         who = [ids[i] for i in rng.integers(n, size=m).tolist()]
         t = time.perf_counter()
         for driver_id in who:
-            store.get_driver(driver_id)
+            table.get_driver(driver_id)
         per_s.append(m / (time.perf_counter() - t))
     out["get_driver/s p50"] = f"{statistics.median(per_s):,.0f}"
 
     q = unit_rows(rng, 1, dim)[0]
     orders = {radius: make_orders(rng, lat0, lng0, radius, runs) for radius in RADII}
-    out.update(recommend_rows(store, orders, q, "recommend"))
+    out.update(recommend_rows(table, orders, q, "recommend"))
 
     tmp = Path(tempfile.mkdtemp(prefix="index-bench-"))
     try:
         save_s, load_s, stall_ms = [], [], []
         for _ in range(max(1, runs // 2) if n >= 1_000_000 else runs):
             t = time.perf_counter()
-            stall_ms.append(save_stall_ms(store, tmp, ids, rng))
+            stall_ms.append(save_stall_ms(table, tmp, ids, rng))
             save_s.append(time.perf_counter() - t)
-            del store  # one store in memory at a time: the loaded one carries on
+            del table  # one table in memory at a time: the loaded one carries on
             gc.collect()
             t = time.perf_counter()
-            store = FleetVectorStore.load(tmp, dim)
+            table = FleetTable.load(tmp, dim)
             load_s.append(time.perf_counter() - t)
-            assert len(store) == n
+            assert len(table) == n
         out["save s (median)"] = f"{statistics.median(save_s):.2f}"
         out["load s (median)"] = f"{statistics.median(load_s):.2f}"
         out["longest get_driver during save (ms)"] = f"{max(stall_ms):.1f}"
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    # The same orders on the loaded store, whose rows the snapshot wrote in grid-cell order.
-    out.update(recommend_rows(store, orders, q, "recommend after load"))
+    # The same orders on the loaded table, whose rows the snapshot wrote in grid-cell order.
+    out.update(recommend_rows(table, orders, q, "recommend after load"))
     return out
 
 
 def save_stall_ms(
-    store: FleetVectorStore, directory: Path, ids: list[str], rng: np.random.Generator
+    table: FleetTable, directory: Path, ids: list[str], rng: np.random.Generator
 ) -> float:
     """Save from a worker thread (as the proxy does) while this thread calls ``get_driver``
     every half millisecond; the longest call is how long a dispatch request could wait on the
-    store's lock (or the GIL) because of the save."""
-    saver = threading.Thread(target=store.save, args=(directory,))
+    table's lock (or the GIL) because of the save."""
+    saver = threading.Thread(target=table.save, args=(directory,))
     longest = 0.0
     saver.start()
     while saver.is_alive():
         driver_id = ids[int(rng.integers(len(ids)))]
         t = time.perf_counter()
-        store.get_driver(driver_id)
+        table.get_driver(driver_id)
         longest = max(longest, time.perf_counter() - t)
         time.sleep(0.0005)
     saver.join()
@@ -217,14 +217,14 @@ def make_orders(
 
 
 def recommend_rows(
-    store: FleetVectorStore, orders: dict[float, list[Order]], q: np.ndarray, label: str
+    table: FleetTable, orders: dict[float, list[Order]], q: np.ndarray, label: str
 ) -> dict[str, str]:
     out = {}
     for radius, batch in orders.items():
         lat_ms, considered = [], []
         for order in batch:
             t = time.perf_counter()
-            rec = store.recommend(order, q)
+            rec = table.recommend(order, q)
             lat_ms.append((time.perf_counter() - t) * 1e3)
             considered.append(rec.considered)
         seen = statistics.median(considered)

@@ -59,7 +59,7 @@ from features.models import DriverRecord  # noqa: E402
 from features.readers import iter_rows, write_records  # noqa: E402
 from features.synthetic import generate_fleet, iter_fleet  # noqa: E402
 from features.text import driver_text  # noqa: E402
-from indexes.store import FleetVectorStore  # noqa: E402
+from indexes.table import FleetTable  # noqa: E402
 from proxy.services import build_store, engine_options, open_services  # noqa: E402
 from proxy.settings import Settings  # noqa: E402
 from proxy.warmup import LocalSink, WarmupProgress, checkpoint_for, run_warmup  # noqa: E402
@@ -157,7 +157,7 @@ async def stage_costs(
         await embedder.aembed(part, caller="warmup")
     us["cache: keys, LMDB lookup + write"] = (time.perf_counter() - started) * 1e6 / n
     await embedder.aclose()
-    index = FleetVectorStore(dim)
+    index = FleetTable(dim)
 
     def upsert_all() -> None:
         for part in chunked(records, chunk):

@@ -1,8 +1,9 @@
 """The fleet vector index: the only package that imports llama_index and faiss.
 
-``FleetVectorStore`` (a LlamaIndex vector store on FAISS with real upsert/delete, geo and
-constraint filtering, crash-safe snapshots), ``GeoGrid`` (the spatial index it uses) and
-``BatchingEmbedding`` (a LlamaIndex embedding over any LangChain-style ``Embeddings``).
+``FleetTable`` (the live fleet on FAISS with real upsert/delete, ``recommend`` with geo and
+constraint filtering, crash-safe snapshots), ``FleetVectorStore`` (a thin LlamaIndex vector
+store over a table), ``GeoGrid`` (the spatial index the table uses) and ``BatchingEmbedding``
+(a LlamaIndex embedding over any LangChain-style ``Embeddings``).
 """
 
 from indexes import gpu
@@ -10,13 +11,16 @@ from indexes.embedding import BatchingEmbedding, EmbeddingsLike
 from indexes.errors import FleetIndexError, SnapshotError, UnsupportedFilterError, VectorError
 from indexes.geo import GeoGrid
 from indexes.nodes import driver_node, record_from_node
-from indexes.store import Candidate, FleetVectorStore, Recommendation
+from indexes.ranking import Candidate, Recommendation
+from indexes.store import FleetVectorStore
+from indexes.table import FleetTable
 
 __all__ = [
     "BatchingEmbedding",
     "Candidate",
     "EmbeddingsLike",
     "FleetIndexError",
+    "FleetTable",
     "FleetVectorStore",
     "GeoGrid",
     "Recommendation",

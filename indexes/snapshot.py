@@ -1,6 +1,6 @@
 """Crash-safe snapshots of the fleet index in a directory.
 
-Layout (``dir`` is what ``FleetVectorStore.save`` is given), format 2::
+Layout (``dir`` is what ``FleetTable.save`` is given), format 2::
 
     dir/CURRENT                      name of the live snapshot, e.g. "snapshot-00000007"
     dir/snapshot-00000007/
@@ -61,7 +61,7 @@ V1_RECORDS_FILE = "records.jsonl"
 
 @dataclass(frozen=True)
 class Snapshot:
-    """Everything a store is rebuilt from; row i of every part belongs to driver_ids[i]."""
+    """Everything a table is rebuilt from; row i of every part belongs to driver_ids[i]."""
 
     dim: int
     next_id: int

@@ -1,47 +1,19 @@
-"""The live-fleet vector index: a LlamaIndex vector store on FAISS with real upsert and delete.
+"""``FleetVectorStore``: a ``FleetTable`` seen as a LlamaIndex vector store.
 
-Every driver holds one *slot*: a row of a FAISS ``IndexFlatIP`` (the one copy of its vector,
-scored in place) and of the numpy columns below. Slots are dense: a delete moves the last row
-into the freed one (swap-remove, O(dim)), a replace overwrites the row in place, an insert
-appends; nothing is O(fleet). Each vector also gets an *id* from a persisted counter that only
-grows (``vector_ids``), so an id is never handed out twice: the stock FaissMapVectorStore
-reuses ``ntotal`` and hides live documents (FACTS.md).
-
-Records are kept as the JSON bytes they were upserted with and parsed only when one is read
-(``get_driver``, ``query``); what ``recommend`` needs lives in columns: status code,
-position, cargo limits, one bit per named constraint, driver and vehicle id. The ``GeoGrid``
-holds the *available* drivers only (the only ones ``recommend`` looks at): a status change
-inserts or removes the driver there. ``update_driver`` and the batched ``update_positions``
-change the columns and the grid, never the vectors nor the JSON: a record read later gets its
-live status and position laid over the stored JSON (``_record``).
-
-``recommend`` is a handful of numpy operations over the slots the grid finds near the pickup
-(exact haversine, then constraint bits and cargo), then one FAISS inner-product call over the
-surviving rows, by index, without copying them. With many candidates an int8 copy of the rows
-(``indexes.quantized``) first rules out those that provably cannot reach the top k, so the
-exact call reads only the few that can; the answer is the same, bit for bit.
-
-With faiss-gpu and a GPU, unrestricted ``query`` searches a GPU replica of the flat index,
-rebuilt after vectors change (``gpu=True`` requires it, ``None`` uses it when present).
-
-The store is meant for one thread (the proxy's event loop); an internal lock also makes
-``save`` from a worker thread safe (it copies the state in short turns under the lock, then
-writes without it).
+One driver is one document is one node (``indexes.nodes``), its id the driver_id. ``add``
+upserts, ``delete``/``delete_nodes``/``clear`` delete, ``get_nodes`` and ``query`` read,
+``persist`` saves a snapshot; LlamaIndex metadata filters become predicates on records. The
+adapter holds no state of its own: everything lives in ``.table``, which the proxy and the
+domain API (``upsert_drivers``, ``recommend``, ...) use directly.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from datetime import datetime
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 import faiss
-import numpy as np
-import numpy.typing as npt
 from llama_index.core.schema import BaseNode
 from llama_index.core.vector_stores.types import (
     BasePydanticVectorStore,
@@ -52,52 +24,15 @@ from llama_index.core.vector_stores.types import (
 )
 from pydantic import PrivateAttr
 
-from features.constraints import CONSTRAINTS, check_constraints
-from features.models import DriverRecord, Order, Position, Status
-from indexes import gpu, snapshot
-from indexes.columns import Columns
+from indexes import snapshot
 from indexes.errors import FleetIndexError, SnapshotError, VectorError
-from indexes.geo import GeoGrid
-from indexes.nodes import compile_filters, driver_node, record_from_node
-from indexes.quantized import QuantizedRows
-
-Vectors = npt.NDArray[np.float32]
-Slots = npt.NDArray[np.int64]
-
-STATUSES: tuple[str, ...] = get_args(Status)
-_STATUS_CODE: dict[str, int] = {s: i for i, s in enumerate(STATUSES)}
-_AVAILABLE = _STATUS_CODE["available"]
-_UNIT_TOLERANCE = 1e-3  # |norm - 1| allowed: inner product is cosine only on unit vectors
-_MAX_BITS = 64  # constraints with a column bit; any further one is evaluated on records
-# Grid cells of 0.02 degrees (2.2 km north-south): at a million drivers around six cities a
-# 3 km query visits ~16 cells holding about twice the drivers in the circle; 0.05 degrees
-# gathered (and distance-tested) 5 to 10 times them.
-CELL_DEG = 0.02
-# save copies vectors in chunks of this many rows, each under the lock (~10 ms at 1M drivers,
-# rows scattered), and gives up copying outside the lock after this many restarts.
-_SAVE_CHUNK = 8192
-_SAVE_TRIES = 3
-# recommend scores up to this many candidates exactly in one pass; above it (and above 4 k),
-# an int8 first pass keeps only those that may reach the top k (a quarter of the bytes read).
-_EXACT_UP_TO = 2048
-
-
-@dataclass(frozen=True)
-class Candidate:
-    driver_id: str
-    vehicle_id: str
-    similarity: float
-    distance_km: float
-
-
-@dataclass(frozen=True)
-class Recommendation:
-    candidates: list[Candidate]
-    considered: int  # available drivers inside the radius, before constraints and cargo
+from indexes.nodes import RecordPredicate, compile_filters, driver_node, record_from_node
+from indexes.table import FleetTable
 
 
 class FleetVectorStore(BasePydanticVectorStore):
-    """Drivers, their unit embedding vectors and positions; see the module docstring.
+    """A LlamaIndex vector store over a ``FleetTable``: ``FleetVectorStore(dim)`` over a new
+    table, or ``FleetVectorStore(table=table)`` over an existing one (both see every change).
 
     ``stores_text`` is True in LlamaIndex's sense: ``query`` returns complete nodes (record in
     the metadata), so no docstore is needed and ``VectorStoreIndex.from_vector_store`` accepts
@@ -107,51 +42,26 @@ class FleetVectorStore(BasePydanticVectorStore):
     stores_text: bool = True
     is_embedding_query: bool = True
 
-    _dim: int = PrivateAttr()
-    _lock: threading.RLock = PrivateAttr(default_factory=threading.RLock)
-    _save_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
-    _flat: faiss.IndexFlatIP = PrivateAttr()
-    _replica: gpu.Replica | None = PrivateAttr(default=None)
-    _next_id: int = PrivateAttr(default=0)
-    _epoch: int = PrivateAttr(default=0)  # bumped whenever a vector or the slot layout changes
-    _grid: GeoGrid = PrivateAttr()  # available drivers only
-    _constraints: tuple[str, ...] = PrivateAttr()
-    _slot_of: dict[str, int] = PrivateAttr(default_factory=dict)
-    _ids: list[str] = PrivateAttr(default_factory=list)  # slot -> driver_id
-    _vehicles: list[str] = PrivateAttr(default_factory=list)  # slot -> vehicle_id
-    _json: list[bytes] = PrivateAttr(default_factory=list)  # slot -> record as upserted
-    _cols: Columns = PrivateAttr()
-    _quant: QuantizedRows = PrivateAttr()  # int8 copy of the rows, for recommend's first pass
+    _table: FleetTable = PrivateAttr()
 
-    def __init__(self, dim: int, *, cell_deg: float = CELL_DEG, gpu: bool | None = None) -> None:
+    def __init__(self, dim: int | None = None, *, table: FleetTable | None = None) -> None:
         super().__init__(stores_text=True)
-        if isinstance(dim, bool) or not isinstance(dim, int | np.integer) or dim <= 0:
-            raise ValueError(f"dim must be a positive int, got {dim!r}")
-        self._dim = dim = int(dim)
-        self._flat = faiss.IndexFlatIP(dim)
-        self._replica = _replica_for(gpu)
-        self._grid = GeoGrid(cell_deg)
-        self._constraints = tuple(CONSTRAINTS)[:_MAX_BITS]
-        self._cols = Columns.empty(0)
-        self._quant = QuantizedRows(dim, _UNIT_TOLERANCE)
+        if table is None:
+            if dim is None:
+                raise ValueError("FleetVectorStore needs dim (for a new table) or table")
+            table = FleetTable(dim)
+        elif dim is not None:
+            raise ValueError("FleetVectorStore takes dim or table, not both")
+        self._table = table
 
     @classmethod
     def class_name(cls) -> str:
         return "FleetVectorStore"
 
-    # -- domain API ----------------------------------------------------------------------------
-
     @property
-    def dim(self) -> int:
-        return self._dim
-
-    @property
-    def on_gpu(self) -> bool:
-        """Whether unrestricted ``query`` searches run on a GPU replica."""
-        return self._replica is not None
-
-    def __len__(self) -> int:
-        return len(self._ids)
+    def table(self) -> FleetTable:
+        """The drivers: the domain API (upsert_drivers, recommend, save, ...) lives there."""
+        return self._table
 
     def __bool__(self) -> bool:
         # An empty store is still a store: LlamaIndex tests `if vector_store:` and would
@@ -159,250 +69,15 @@ class FleetVectorStore(BasePydanticVectorStore):
         return True
 
     def __eq__(self, other: object) -> bool:
-        # Identity: pydantic's field-wise equality would compare numpy arrays and raise.
+        # Identity: a store equals only itself (pydantic's equality compares private state).
         return self is other
 
     __hash__ = object.__hash__
 
-    def __contains__(self, driver_id: object) -> bool:
-        return driver_id in self._slot_of
-
-    def driver_ids(self) -> list[str]:
-        return list(self._ids)
-
-    def vector_ids(self) -> list[int]:
-        """The id of each live vector, in slot order. Ids come from a counter that only grows:
-        a new or replaced vector always gets an id never seen before (persisted by ``save``)."""
-        with self._lock:
-            return self._cols.fid[: len(self)].tolist()
-
-    def get_driver(self, driver_id: str) -> DriverRecord | None:
-        """The driver's current record, or None if unknown."""
-        priv: Any = self.__pydantic_private__  # see _record
-        with priv["_lock"]:
-            slot = priv["_slot_of"].get(driver_id)
-            return None if slot is None else self._record(slot)
-
-    def get_vector(self, driver_id: str) -> Vectors | None:
-        """A copy of the driver's stored (unit) vector."""
-        with self._lock:
-            slot = self._slot_of.get(driver_id)
-            return None if slot is None else self._rows()[slot].copy()
-
-    def upsert_drivers(self, records: Sequence[DriverRecord], vectors: npt.ArrayLike) -> None:
-        """Insert or replace drivers with their unit vectors (row i belongs to records[i]).
-
-        Everything is checked before anything changes. A driver_id repeated in one call: the
-        last occurrence wins.
-        """
-        recs = list(records)
-        for rec in recs:
-            if not isinstance(rec, DriverRecord):
-                raise TypeError(f"expected DriverRecord, got {type(rec).__name__}")
-        vecs = self._check_vectors(vectors, len(recs))
-        last = {rec.driver_id: i for i, rec in enumerate(recs)}
-        if len(last) != len(recs):
-            rows = list(last.values())
-            recs, vecs = [recs[i] for i in rows], vecs[rows]
-        if not recs:
-            return
-        blobs = [rec.model_dump_json().encode() for rec in recs]
-        fields = Columns.fields_of(recs, self._constraint_bits(recs), _STATUS_CODE)
-        priv: Any = self.__pydantic_private__  # see _record
-        with priv["_lock"]:
-            slot_of, ids, vehicles, json = (
-                priv["_slot_of"],
-                priv["_ids"],
-                priv["_vehicles"],
-                priv["_json"],
-            )
-            n = len(ids)
-            slots = np.fromiter(
-                (slot_of.get(r.driver_id, -1) for r in recs), dtype=np.int64, count=len(recs)
-            )
-            old = np.flatnonzero(slots >= 0)
-            new = np.flatnonzero(slots < 0)
-            # Add first: should FAISS fail to add, nothing has changed yet.
-            priv["_flat"].add(vecs[new])
-            self._rows()[slots[old]] = vecs[old]  # a replaced vector is overwritten in place
-            self._vectors_changed()
-            slots[new] = np.arange(n, n + new.size)
-            for i in old.tolist():
-                vehicles[slots[i]] = recs[i].vehicle.vehicle_id
-                json[slots[i]] = blobs[i]
-            for i, rec in zip(new.tolist(), (recs[i] for i in new.tolist()), strict=True):
-                slot_of[rec.driver_id] = n
-                ids.append(rec.driver_id)
-                vehicles.append(rec.vehicle.vehicle_id)
-                json.append(blobs[i])
-                n += 1
-            fids = np.arange(self._next_id, self._next_id + len(recs), dtype=np.int64)
-            self._next_id += len(recs)
-            cols = priv["_cols"] = priv["_cols"].grown(n)
-            cols.put(slots, fids, fields)
-            priv["_quant"].grow(n)
-            priv["_quant"].put(slots, vecs)
-            self._sync_grid(slots)
-
-    def update_driver(
-        self, driver_id: str, *, position: Position | None = None, status: str | None = None
-    ) -> DriverRecord:
-        """Move a driver and/or change its status: no vector work. KeyError if unknown."""
-        if status is not None and status not in _STATUS_CODE:
-            raise ValueError(f"status must be one of {', '.join(_STATUS_CODE)}, got {status!r}")
-        if position is not None and type(position) is not Position:
-            position = Position.model_validate(position)
-        priv: Any = self.__pydantic_private__  # see _record
-        with priv["_lock"]:
-            slot = priv["_slot_of"].get(driver_id)
-            if slot is None:
-                raise KeyError(driver_id)
-            record = self._record(slot)
-            cols = priv["_cols"]
-            changes: dict[str, Any] = {}
-            if position is not None:
-                changes["position"] = position
-                cols.lat[slot], cols.lng[slot] = position.lat, position.lng
-                cols.moved[slot] = True
-                cols.ts[slot] = position.ts
-            if status is not None:
-                changes["status"] = status
-            if not changes:
-                return record
-            record = record.model_copy(update=changes)
-            if status is not None:
-                cols.status[slot] = _STATUS_CODE[status]
-                # Constraints read the slowly-changing parts today; recomputed on a status
-                # change anyway, so a constraint on status could not go stale.
-                cols.cbits[slot] = self._constraint_bits([record])[0]
-            if cols.status[slot] == _AVAILABLE:
-                priv["_grid"].move(slot, cols.lat[slot], cols.lng[slot])
-            else:
-                priv["_grid"].remove(slot)
-            return record
-
-    def update_positions(
-        self,
-        driver_ids: Sequence[str],
-        lats: npt.ArrayLike,
-        lngs: npt.ArrayLike,
-        ts: datetime | None = None,
-    ) -> None:
-        """Move many drivers at once (``update_driver(id, position=Position(lat, lng, ts))``
-        for each, one ``ts`` for the batch). All-or-nothing: a KeyError for an unknown driver
-        or a ValueError for a bad position changes nothing. A repeated driver: the last wins.
-
-        Vectorised: only the grid cells and two columns change; records are not touched.
-        """
-        la = np.asarray(lats, dtype=np.float64)
-        ln = np.asarray(lngs, dtype=np.float64)
-        ids = list(driver_ids)
-        if not len(ids) == la.size == ln.size or la.ndim != 1 or ln.ndim != 1:
-            raise ValueError(f"{len(ids)} ids, lats of shape {la.shape}, lngs of {ln.shape}")
-        if ts is not None:
-            ts = Position(lat=0.0, lng=0.0, ts=ts).ts  # validated as PATCH would
-        if not ((la >= -90.0) & (la <= 90.0) & (ln >= -180.0) & (ln <= 180.0)).all():
-            raise ValueError("positions out of range (or not finite)")
-        if not ids:
-            return
-        priv: Any = self.__pydantic_private__  # see _record
-        with priv["_lock"]:
-            slot_of = priv["_slot_of"]
-            try:
-                slots = np.fromiter((slot_of[d] for d in ids), dtype=np.int64, count=len(ids))
-            except KeyError as exc:
-                raise KeyError(exc.args[0]) from None
-            cols = priv["_cols"]
-            cols.lat[slots] = la  # numpy assigns in order: for a repeated id the last stays
-            cols.lng[slots] = ln
-            cols.moved[slots] = True
-            cols.ts[slots] = ts
-            self._sync_grid(np.unique(slots))
-
-    def delete_driver(self, driver_id: str) -> bool:
-        with self._lock:
-            slot = self._slot_of.get(driver_id)
-            if slot is None:
-                return False
-            self._delete_slots([slot])
-            return True
-
-    def recommend(self, order: Order, query: npt.ArrayLike) -> Recommendation:
-        """Candidates for ``order`` by the rules of API.md (``POST /v1/dispatch/recommend``)."""
-        names = check_constraints(order.constraints)
-        q = self._check_query(query)
-        lat, lng, radius = order.pickup.lat, order.pickup.lng, order.radius_km
-        priv: Any = self.__pydantic_private__  # see _record
-        with priv["_lock"]:
-            grid = priv["_grid"]
-            slots = grid.near(lat, lng, radius)  # available; ascending: rows read in order
-            dist = grid.distances(slots, lat, lng)
-            inside = dist <= radius
-            slots, dist = slots[inside], dist[inside]
-            considered = int(slots.size)
-            keep = self._eligible(slots, names, order)  # status: the grid holds available only
-            slots, dist = slots[keep], dist[keep]
-            if slots.size > max(_EXACT_UP_TO, 4 * order.k):
-                # Many candidates: drop those that provably cannot reach the top k (ties
-                # included), by int8 scores and their error bounds (``indexes.quantized``).
-                keep = self._may_reach_top(q, slots, order.k)
-                slots, dist = slots[keep], dist[keep]
-            # Every remaining candidate gets a score (the tie rules need them all), computed
-            # in place in the flat index by FAISS's own kernel: bit-identical to what a FAISS
-            # search of the whole index reports for that driver (numpy's BLAS would round a
-            # row differently depending on its place in the batch).
-            sims = _inner_products(self._rows(), q, slots)
-            return Recommendation(self._top(slots, sims, dist, order.k), considered)
-
-    def save(self, directory: Path | str) -> None:
-        """Write a crash-safe snapshot (layout in ``indexes.snapshot``).
-
-        Rows are written in grid-cell order, so a loaded store holds neighbours' vectors next
-        to each other: ``recommend`` then reads its candidates' rows in a few runs instead of
-        scattered over the whole matrix (measured 2x faster at 1,000,000 drivers). Upserts
-        append and moves keep rows, so a live store drifts from that order until it is
-        saved and loaded again.
-
-        The state is copied without holding the store's lock for long: the columns and the
-        slot lists under it (tens of milliseconds at 1,000,000 drivers), then the vectors in
-        chunks of ``_SAVE_CHUNK`` rows, each under the lock and only while no vector has
-        changed since the columns were copied (``_epoch``); an upsert or delete meanwhile
-        restarts the copy, and after ``_SAVE_TRIES`` restarts the copy holds the lock
-        throughout (as every save once did: ~2 s at 1,000,000 drivers). The files are written
-        without the lock. Saves of one store are serialised.
-        """
-        with self._save_lock:
-            snap, tries = self._copy_state(), 0
-            while snap is None:
-                tries += 1
-                # The last try holds the (reentrant) lock throughout: it cannot fail.
-                with self._lock if tries == _SAVE_TRIES else contextlib.nullcontext():
-                    snap = self._copy_state()
-            snapshot.write(Path(directory), snap)
-
-    @classmethod
-    def load(
-        cls, directory: Path | str, dim: int, *, cell_deg: float = CELL_DEG, gpu: bool | None = None
-    ) -> FleetVectorStore:
-        """The store saved in ``directory``; an empty store when there is no snapshot."""
-        store = cls(dim, cell_deg=cell_deg, gpu=gpu)
-        snap = snapshot.read(Path(directory))
-        if snap is None:
-            return store
-        if snap.dim != dim:
-            raise SnapshotError(
-                f"snapshot in {directory} holds {snap.dim}-d vectors, expected {dim}-d "
-                "(different embedding model?)"
-            )
-        store._restore(snap)
-        return store
-
-    # -- LlamaIndex API ------------------------------------------------------------------------
-
     @property
     def client(self) -> faiss.IndexFlatIP:
         """The FAISS index, row i = slot i (read it, don't mutate it)."""
-        return self._flat
+        return self._table.flat
 
     def add(self, nodes: Sequence[BaseNode], **add_kwargs: Any) -> list[str]:
         """Upsert driver nodes: ``id_`` is the driver_id, the record is in the metadata."""
@@ -412,12 +87,12 @@ class FleetVectorStore(BasePydanticVectorStore):
         except ValueError as exc:
             raise VectorError(f"every node needs an embedding: {exc}") from exc
         if records:
-            self.upsert_drivers(records, vectors)
+            self._table.upsert_drivers(records, vectors)
         return [node.node_id for node in nodes]
 
     def delete(self, ref_doc_id: str, **delete_kwargs: Any) -> None:
         """One driver is one document: ``ref_doc_id`` is the driver_id."""
-        self.delete_driver(ref_doc_id)
+        self._table.delete_driver(ref_doc_id)
 
     def delete_nodes(
         self,
@@ -427,20 +102,16 @@ class FleetVectorStore(BasePydanticVectorStore):
     ) -> None:
         if node_ids is None and filters is None:
             raise FleetIndexError("delete_nodes needs node_ids or filters (use clear() for all)")
-        with self._lock:
-            self._delete_slots(self._select(node_ids, filters))
+        self._table.delete_drivers(node_ids, _predicate(filters))
 
     def get_nodes(
         self, node_ids: list[str] | None = None, filters: MetadataFilters | None = None
     ) -> list[BaseNode]:
-        with self._lock:
-            slots = self._select(node_ids, filters)
-            return [driver_node(self._record(s)) for s in slots]
+        return [driver_node(r) for r in self._table.records(node_ids, _predicate(filters))]
 
     def clear(self) -> None:
         """Remove every driver. The id counter keeps counting: ids are never reused."""
-        with self._lock:
-            self._delete_slots(list(range(len(self))))
+        self._table.clear()
 
     def query(self, query: VectorStoreQuery, **kwargs: Any) -> VectorStoreQueryResult:
         """Top ``similarity_top_k`` by inner product (cosine), optionally restricted to
@@ -449,27 +120,26 @@ class FleetVectorStore(BasePydanticVectorStore):
             raise FleetIndexError(f"query mode {query.mode.value!r} unsupported; use 'default'")
         if query.query_embedding is None:
             raise VectorError("query needs query_embedding")
-        q = self._check_query(query.query_embedding)
         # An empty id list means "no restriction": VectorStoreIndex.as_retriever passes
         # node_ids=[] for every store that keeps its own nodes (as the other such stores do).
         restrict = _intersect(query.node_ids or None, query.doc_ids or None)
-        k = query.similarity_top_k
-        with self._lock:
-            if restrict is None and query.filters is None:
-                hits = self._search_all(q, k)
-            else:
-                hits = self._search_slots(q, self._select(restrict, query.filters), k)
-            nodes: list[BaseNode] = [driver_node(self._record(slot)) for slot, _ in hits]
-            return VectorStoreQueryResult(
-                nodes=nodes,
-                similarities=[score for _, score in hits],
-                ids=[n.node_id for n in nodes],
-            )
+        hits = self._table.search(
+            query.query_embedding,
+            query.similarity_top_k,
+            driver_ids=restrict,
+            where=_predicate(query.filters),
+        )
+        nodes: list[BaseNode] = [driver_node(record) for record, _ in hits]
+        return VectorStoreQueryResult(
+            nodes=nodes,
+            similarities=[score for _, score in hits],
+            ids=[n.node_id for n in nodes],
+        )
 
     def persist(self, persist_path: str, fs: Any | None = None) -> None:
         """Save a snapshot into the directory ``persist_path`` (local filesystem only)."""
         _require_local(fs)
-        self.save(Path(persist_path))
+        self._table.save(Path(persist_path))
 
     @classmethod
     def from_persist_path(
@@ -477,332 +147,17 @@ class FleetVectorStore(BasePydanticVectorStore):
     ) -> FleetVectorStore:
         """Load a snapshot directory; ``dim`` defaults to the snapshot's own."""
         _require_local(fs)
-        if dim is None:
-            snap = snapshot.read(Path(persist_path))
-            if snap is None:
-                raise SnapshotError(f"no snapshot in {persist_path}: pass dim= for an empty store")
-            store = cls(snap.dim)
-            store._restore(snap)
-            return store
-        return cls.load(Path(persist_path), dim)
-
-    # -- internals -----------------------------------------------------------------------------
-
-    def _vectors_changed(self) -> None:
-        self._epoch += 1  # a save copying vectors outside the lock starts over
-        if self._replica is not None:
-            self._replica.invalidate()
-
-    def _rows(self) -> Vectors:
-        """The flat index's vectors as a numpy view (valid until the index next grows)."""
-        n = self._flat.ntotal
-        if n == 0:
-            return np.zeros((0, self._dim), dtype=np.float32)
-        flat = faiss.rev_swig_ptr(self._flat.get_xb(), n * self._dim)
-        return flat.reshape(n, self._dim)
-
-    def _check_vectors(self, vectors: npt.ArrayLike, n: int) -> Vectors:
-        try:
-            arr = np.ascontiguousarray(vectors, dtype=np.float32)
-        except (TypeError, ValueError) as exc:
-            raise VectorError(f"vectors are not a numeric array: {exc}") from exc
-        if n == 0 and arr.size == 0:
-            return np.zeros((0, self._dim), dtype=np.float32)
-        if arr.shape != (n, self._dim):
-            raise VectorError(f"vectors must have shape ({n}, {self._dim}), got {arr.shape}")
-        if not np.isfinite(arr).all():
-            raise VectorError("vectors contain NaN or infinity")
-        bad = np.flatnonzero(np.abs(np.linalg.norm(arr, axis=1) - 1.0) > _UNIT_TOLERANCE)
-        if bad.size:
-            raise VectorError(f"vectors must be L2-normalised; row {int(bad[0])} is not")
-        return arr
-
-    def _check_query(self, query: npt.ArrayLike) -> Vectors:
-        try:
-            arr = np.asarray(query, dtype=np.float32)
-        except (TypeError, ValueError) as exc:
-            raise VectorError(f"query vector is not numeric: {exc}") from exc
-        if arr.ndim != 1:
-            raise VectorError(f"query vector must have shape ({self._dim},), got {arr.shape}")
-        return self._check_vectors(arr[None, :], 1)[0]
-
-    def _constraint_bits(self, records: Sequence[DriverRecord]) -> npt.NDArray[np.uint64]:
-        preds = [CONSTRAINTS[name] for name in self._constraints]
-        return np.fromiter(
-            (sum(1 << b for b, pred in enumerate(preds) if pred(r)) for r in records),
-            dtype=np.uint64,
-            count=len(records),
-        )
-
-    def _record(self, slot: int) -> DriverRecord:
-        """The current record of a slot: the stored JSON with its live status and position."""
-        # Hot paths read private attributes from the private dict: each `self._x` of a
-        # pydantic model is a __getattr__ call (half the cost of a get_driver otherwise).
-        priv: Any = self.__pydantic_private__
-        record = DriverRecord.model_validate_json(priv["_json"][slot])
-        cols = priv["_cols"]
-        changes: dict[str, Any] = {}
-        status = STATUSES[cols.status[slot]]
-        if record.status != status:
-            changes["status"] = status
-        if cols.moved[slot]:
-            # model_construct: the values were validated by update_driver/update_positions.
-            changes["position"] = Position.model_construct(
-                lat=float(cols.lat[slot]), lng=float(cols.lng[slot]), ts=cols.ts[slot]
-            )
-        return record.model_copy(update=changes) if changes else record
-
-    def _delete_slots(self, slots: Iterable[int]) -> None:
-        """Swap-remove: the last slot moves into each freed one (largest first, so a slot
-        still to delete is never the one moved)."""
-        order = sorted(set(slots), reverse=True)
-        if not order:
-            return
-        rows, cols, grid, quant = self._rows(), self._cols, self._grid, self._quant
-        ids, vehicles, blobs, slot_of = self._ids, self._vehicles, self._json, self._slot_of
-        for slot in order:
-            last = len(ids) - 1
-            del slot_of[ids[slot]]
-            grid.remove(slot)
-            if slot != last:
-                rows[slot] = rows[last]
-                quant.copy_row(last, slot)
-                cols.copy_row(last, slot)
-                moved_id = ids[slot] = ids[last]
-                vehicles[slot] = vehicles[last]
-                blobs[slot] = blobs[last]
-                slot_of[moved_id] = slot
-                if grid.remove(last):
-                    grid.move(slot, cols.lat[slot], cols.lng[slot])
-            cols.clear_row(last)
-            ids.pop()
-            vehicles.pop()
-            blobs.pop()
-        n = len(self._ids)
-        # Truncate the flat index in O(1): its rows past n are the ones moved or deleted.
-        self._flat.codes.resize(n * self._flat.code_size)
-        self._flat.ntotal = n
-        self._vectors_changed()
-
-    def _copy_state(self) -> snapshot.Snapshot | None:
-        """The store as a snapshot in grid-cell row order (see ``save``), or None when a
-        vector changed while the vectors were being copied."""
-        with self._lock:
-            epoch, n, next_id = self._epoch, len(self), self._next_id
-            cols = self._cols.head(n)
-            ids, vehicles, blobs = self._ids[:], self._vehicles[:], self._json[:]
-        order = np.argsort(self._grid.cell_keys(cols.lat, cols.lng), kind="stable")
-        vectors = np.empty((n, self._dim), dtype=np.float32)
-        for start in range(0, n, _SAVE_CHUNK):
-            with self._lock:
-                if self._epoch != epoch:
-                    return None
-                chunk = order[start : start + _SAVE_CHUNK]
-                np.take(self._rows(), chunk, axis=0, out=vectors[start : start + chunk.size])
-        rows = order.tolist()
-        return snapshot.Snapshot(
-            dim=self._dim,
-            next_id=next_id,
-            vectors=vectors,
-            driver_ids=[ids[i] for i in rows],
-            vehicle_ids=[vehicles[i] for i in rows],
-            records=[blobs[i] for i in rows],
-            columns=cols.take(order),
-            statuses=STATUSES,
-            constraints=self._constraints,
-        )
-
-    def _restore(self, snap: snapshot.Snapshot) -> None:
-        """Adopt a snapshot (into an empty store)."""
-        with self._lock:
-            n = len(snap.driver_ids)
-            # Size the flat index once, then copy the (memory-mapped) rows into it: adding
-            # chunk by chunk regrew and copied the whole array ~log2(n) times.
-            self._flat.codes.resize(n * self._flat.code_size)
-            self._flat.ntotal = n
-            rows = self._rows()
-            self._quant.grow(n)
-            for start in range(0, n, 4096):  # chunks that stay in the cache while quantised
-                part = slice(start, start + 4096)
-                rows[part] = snap.vectors[part]
-                self._quant.put(np.arange(start, min(n, start + 4096)), rows[part])
-            self._next_id = snap.next_id
-            self._ids = snap.driver_ids
-            self._vehicles = snap.vehicle_ids
-            self._json = snap.records
-            self._slot_of = dict(zip(snap.driver_ids, range(n), strict=True))
-            if len(self._slot_of) != n:
-                raise SnapshotError(f"snapshot holds a driver_id twice ({n} rows)")
-            self._cols = snap.columns
-            if snap.statuses != STATUSES:  # saved by a version with another status vocabulary
-                self._cols.status[:n] = _status_codes(snap.statuses)[self._cols.status[:n]]
-            self._sync_grid(np.arange(n))
-            if snap.constraints != self._constraints:  # another vocabulary: recompute the bits
-                self._cols.cbits[:n] = self._constraint_bits([self._record(s) for s in range(n)])
-            self._vectors_changed()
-
-    def _sync_grid(self, slots: Slots) -> None:
-        """Make the grid hold exactly the available ones of ``slots`` (distinct), at their
-        column positions."""
-        cols, grid = self._cols, self._grid
-        available = cols.status[slots] == _AVAILABLE
-        inside = grid.contains_many(slots)
-        for slot in slots[inside & ~available].tolist():
-            grid.remove(slot)
-        stay = slots[inside & available]
-        grid.move_many(stay, cols.lat[stay], cols.lng[stay])
-        enter = slots[~inside & available]
-        grid.insert_many(enter, cols.lat[enter], cols.lng[enter])
-
-    def _eligible(self, slots: Slots, names: list[str], order: Order) -> npt.NDArray[np.bool_]:
-        keep = np.ones(slots.size, dtype=bool)
-        mask = sum(1 << self._constraints.index(n) for n in names if n in self._constraints)
-        cols = self._cols
-        if mask:
-            need = np.uint64(mask)
-            keep &= (cols.cbits[slots] & need) == need
-        cargo = order.cargo
-        if cargo is not None:
-            limits = cols.cargo[slots]
-            keep &= (
-                (limits[:, 0] >= cargo.weight_kg)
-                & (limits[:, 1] >= cargo.volume_m3)
-                & (limits[:, 2] >= cargo.height_m)
-            )
-        for name in names:
-            if name not in self._constraints:  # registered after this store was built
-                pred = CONSTRAINTS[name]
-                keep &= [pred(self._record(s)) for s in slots.tolist()]
-        return keep
-
-    def _may_reach_top(self, q: Vectors, slots: Slots, k: int) -> npt.NDArray[np.bool_]:
-        """Which of ``slots`` (more than k) may be among the k best by exact score, ties
-        included: those whose upper bound reaches the k-th largest lower bound. Every other
-        one scores strictly below at least k candidates, so it is in no top k."""
-        quant = self._quant
-        approx = quant.scores(q, slots)
-        eps = quant.bounds(q, slots)
-        lower = approx - eps
-        kth_lower = np.partition(lower, slots.size - k)[slots.size - k]
-        return approx + eps >= kth_lower
-
-    def _top(
-        self, slots: Slots, sims: Vectors, dist: npt.NDArray[np.float64], k: int
-    ) -> list[Candidate]:
-        """The best k by (similarity desc, distance asc, driver_id asc)."""
-        if slots.size == 0:
-            return []
-        pool = np.arange(slots.size)
-        if slots.size > k:
-            # O(n) selection of the k best similarities plus everyone tied with the k-th.
-            kth = -np.partition(-sims, k - 1)[k - 1]
-            pool = np.flatnonzero(sims >= kth)
-        pool = pool[np.lexsort((dist[pool], -sims[pool]))]
-        if pool.size > k:
-            # Keep exact (similarity, distance) ties with the k-th: driver_id decides below.
-            last = pool[k - 1]
-            tied = (sims[pool[k:]] == sims[last]) & (dist[pool[k:]] == dist[last])
-            extra = tied.size if tied.all() else int(np.argmin(tied))  # leading run of ties
-            pool = pool[: k + extra]
-        ids, vehicles = self._ids, self._vehicles
-        entries = [
-            (-float(sims[i]), float(dist[i]), ids[s], vehicles[s])
-            for i, s in zip(pool.tolist(), slots[pool].tolist(), strict=True)
-        ]
-        entries.sort()
-        return [Candidate(d, v, -neg_sim, km) for neg_sim, km, d, v in entries[:k]]
-
-    def _search_all(self, q: Vectors, k: int) -> list[tuple[int, float]]:
-        """(slot, score) of the k best drivers: a FAISS search of the whole flat index."""
-        k = min(k, self._flat.ntotal)
-        if k <= 0:
-            return []
-        if self._replica is not None:
-            scores, slots = self._replica.search(self._flat, q[None, :], k)
-        else:
-            scores, slots = self._flat.search(q[None, :], k)
-        return [
-            (slot, score)
-            for score, slot in zip(scores[0].tolist(), slots[0].tolist(), strict=True)
-            if slot >= 0
-        ]
-
-    def _search_slots(self, q: Vectors, slots: list[int], k: int) -> list[tuple[int, float]]:
-        """(slot, score) of the k best among ``slots``, ties by driver_id.
-
-        Scored with the kernel of ``recommend`` rather than a FAISS search with an
-        IDSelectorBatch: the scores are then bit-identical to the unrestricted search (the
-        selector path rounds differently), and a one-query search with a selector opens an
-        OpenMP parallel region that stalled for ~8 ms on a busy 2-core machine.
-        """
-        k = min(k, len(slots))
-        if k <= 0:
-            return []
-        idx = np.asarray(slots, dtype=np.int64)
-        sims = _inner_products(self._rows(), q, idx)
-        best = np.argpartition(-sims, k - 1)[:k] if len(slots) > k else np.arange(len(slots))
-        ranked = sorted((-float(sims[i]), self._ids[int(idx[i])], int(idx[i])) for i in best)
-        return [(slot, -neg) for neg, _, slot in ranked]
-
-    def _select(
-        self, driver_ids: Iterable[str] | None, filters: MetadataFilters | None
-    ) -> list[int]:
-        """Slots of the live drivers among ``driver_ids`` (all when None) matching filters."""
-        predicate = None if filters is None else compile_filters(filters)
-        if driver_ids is None:
-            slots = list(range(len(self)))
-        else:
-            slot_of = self._slot_of
-            slots = [s for d in dict.fromkeys(driver_ids) if (s := slot_of.get(d)) is not None]
-        if predicate is not None:
-            slots = [s for s in slots if predicate(self._record(s))]
-        return slots
+        if dim is not None:
+            return cls(table=FleetTable.load(Path(persist_path), dim))
+        snap = snapshot.read(Path(persist_path))
+        if snap is None:
+            raise SnapshotError(f"no snapshot in {persist_path}: pass dim= for an empty store")
+        return cls(table=FleetTable.from_snapshot(snap))
 
 
-def _inner_products(rows: Vectors, query: Vectors, slots: Slots) -> Vectors:
-    """rows[slots] @ query in float32 with FAISS's kernel, reading the rows in place.
-
-    One OpenMP thread: the kernel opens a parallel region over its one query, and on a busy
-    2-core machine waiting for the second thread to wake up stalled calls for 10-150 ms.
-    (``omp_set_num_threads`` applies to the calling thread only; restored after.)
-    """
-    slots = np.ascontiguousarray(slots, dtype=np.int64)
-    out = np.empty(len(slots), dtype=np.float32)
-    if len(slots):
-        threads = faiss.omp_get_max_threads()
-        faiss.omp_set_num_threads(1)
-        try:
-            faiss.fvec_inner_products_by_idx(  # type: ignore[attr-defined]  # not in the stubs
-                faiss.swig_ptr(out),
-                faiss.swig_ptr(query),
-                faiss.swig_ptr(rows),
-                faiss.swig_ptr(slots),
-                len(query),
-                1,
-                len(slots),
-            )
-        finally:
-            faiss.omp_set_num_threads(threads)
-    return out
-
-
-def _status_codes(names: Sequence[str]) -> npt.NDArray[np.int8]:
-    """Today's code of each status name of an older vocabulary."""
-    unknown = [s for s in names if s not in _STATUS_CODE]
-    if unknown:
-        raise SnapshotError(f"snapshot holds unknown statuses {unknown}")
-    return np.array([_STATUS_CODE[s] for s in names], dtype=np.int8)
-
-
-def _replica_for(want: bool | None) -> gpu.Replica | None:
-    if want is False:
-        return None
-    reason = gpu.why_not()
-    if reason is None:
-        return gpu.Replica()
-    if want:
-        raise FleetIndexError(f"gpu=True but {reason}")
-    return None
+def _predicate(filters: MetadataFilters | None) -> RecordPredicate | None:
+    """Filters as a predicate on records; UnsupportedFilterError before anything is read."""
+    return None if filters is None else compile_filters(filters)
 
 
 def _intersect(a: list[str] | None, b: list[str] | None) -> list[str] | None:

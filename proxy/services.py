@@ -27,7 +27,7 @@ from engines.fallback import FallbackEngine
 from engines.registry import create_engine
 from features.models import DriverRecord, Position, Status
 from features.text import TEXT_SCHEMA_VERSION, driver_text
-from indexes.store import FleetVectorStore
+from indexes.table import FleetTable
 from proxy.settings import Settings
 from proxy.telemetry import RequestLatency, StageTimingEngine
 
@@ -47,7 +47,7 @@ class Services:
     engine: Engine
     batcher: Batcher
     embedder: CachedEmbedder
-    index: FleetVectorStore
+    index: FleetTable
     registry: CollectorRegistry
     started: float = field(default_factory=time.monotonic)
     index_ready: bool = False
@@ -210,7 +210,7 @@ async def open_services(
         )
         stack.push_async_callback(embedder.aclose)
 
-        index = await asyncio.to_thread(FleetVectorStore.load, settings.index_dir, info.dim)
+        index = await asyncio.to_thread(FleetTable.load, settings.index_dir, info.dim)
         log.info("fleet index loaded: %d drivers", len(index))
         services = Services(settings, engine, batcher, embedder, index, registry)
         batcher.on_queue_wait = lambda _lane, seconds: services.latency.observe_stage(

@@ -25,6 +25,7 @@ from llama_index.core.vector_stores.types import (
     MetadataFilter,
     MetadataFilters,
     VectorStoreQuery,
+    VectorStoreQueryResult,
 )
 
 from features.constraints import CONSTRAINTS, UnknownConstraintError, satisfies
@@ -40,6 +41,7 @@ from features.models import (
 )
 from indexes import (
     BatchingEmbedding,
+    FleetTable,
     FleetVectorStore,
     GeoGrid,
     Recommendation,
@@ -186,7 +188,7 @@ def assert_recommendation(
     dist_tol: float = 1e-9,
 ) -> None:
     """``got`` is a correct top-k of ``expected``. Keys closer than the tolerances (float noise
-    between the scalar reference and the vectorised store) may come in either order."""
+    between the scalar reference and the vectorised table) may come in either order."""
     assert got.considered == considered
     cands = got.candidates
     assert len(cands) == min(k, len(expected))
@@ -199,7 +201,7 @@ def assert_recommendation(
         assert abs(c.similarity - e.similarity) <= sim_tol
         assert abs(c.distance_km - e.distance_km) <= dist_tol
     keys = [(-c.similarity, c.distance_km, c.driver_id) for c in cands]
-    assert keys == sorted(keys)  # the store's own order is exact
+    assert keys == sorted(keys)  # the table's own order is exact
     if cands:
         last = by_id[cands[-1].driver_id]
         chosen = {c.driver_id for c in cands}
@@ -220,28 +222,34 @@ def assert_recommendation(
         assert [c.driver_id for c in cands] == [e.driver_id for e in expected[:k]]
 
 
-def vector_of(store: FleetVectorStore, driver_id: str) -> np.ndarray:
-    vec = store.get_vector(driver_id)
+def vector_of(table: FleetTable, driver_id: str) -> np.ndarray:
+    vec = table.get_vector(driver_id)
     assert vec is not None, driver_id
     return vec
 
 
-def faiss_ids(store: FleetVectorStore) -> list[int]:
+def faiss_ids(table: FleetTable) -> list[int]:
     """The ids of the live vectors (one per row of the FAISS index)."""
-    ids = store.vector_ids()
-    assert len(ids) == store.client.ntotal
+    ids = table.vector_ids()
+    assert len(ids) == table.flat.ntotal
     return ids
 
 
-def faiss_vectors(store: FleetVectorStore) -> np.ndarray:
-    index = store.client
+def faiss_vectors(table: FleetTable) -> np.ndarray:
+    index = table.flat
     return index.reconstruct_n(0, index.ntotal)
 
 
-def retrievable(store: FleetVectorStore, driver_id: str, vec: np.ndarray) -> float | None:
+def llama_query(table: FleetTable, query: VectorStoreQuery) -> VectorStoreQueryResult:
+    """``query`` through a LlamaIndex store over ``table``."""
+    return FleetVectorStore(table=table).query(query)
+
+
+def retrievable(table: FleetTable, driver_id: str, vec: np.ndarray) -> float | None:
     """The similarity FAISS reports for this driver and vector, or None if not found."""
-    res = store.query(
-        VectorStoreQuery(query_embedding=vec.tolist(), similarity_top_k=1, node_ids=[driver_id])
+    res = llama_query(
+        table,
+        VectorStoreQuery(query_embedding=vec.tolist(), similarity_top_k=1, node_ids=[driver_id]),
     )
     assert res.ids is not None and res.similarities is not None
     if not res.ids:
@@ -250,22 +258,20 @@ def retrievable(store: FleetVectorStore, driver_id: str, vec: np.ndarray) -> flo
     return res.similarities[0]
 
 
-def assert_consistent(
-    store: FleetVectorStore, model: dict[str, tuple[DriverRecord, np.ndarray]]
-) -> None:
-    assert len(store) == len(model) == store.client.ntotal
-    ids = faiss_ids(store)
+def assert_consistent(table: FleetTable, model: dict[str, tuple[DriverRecord, np.ndarray]]) -> None:
+    assert len(table) == len(model) == table.flat.ntotal
+    ids = faiss_ids(table)
     assert len(set(ids)) == len(ids)
     for driver_id, (rec, vec) in model.items():
-        assert driver_id in store
-        assert store.get_driver(driver_id) == rec
-        stored = store.get_vector(driver_id)
+        assert driver_id in table
+        assert table.get_driver(driver_id) == rec
+        stored = table.get_vector(driver_id)
         assert stored is not None and np.array_equal(stored, vec)
     # FAISS holds exactly the model's vectors, each findable under its driver.
-    rows = sorted(map(tuple, faiss_vectors(store).tolist()))
+    rows = sorted(map(tuple, faiss_vectors(table).tolist()))
     assert rows == sorted(tuple(vec.tolist()) for _, vec in model.values())
     for driver_id, (_, vec) in list(model.items())[:5]:
-        assert retrievable(store, driver_id, vec) == pytest.approx(1.0, abs=1e-6)
+        assert retrievable(table, driver_id, vec) == pytest.approx(1.0, abs=1e-6)
 
 
 # -- strategies -------------------------------------------------------------------------------
@@ -331,7 +337,7 @@ def orders(draw: st.DrawFn, center: tuple[float, float]) -> Order:
 @given(st.data())
 def test_recommend_matches_brute_force_after_random_operations(data: st.DataObject) -> None:
     center = data.draw(CENTERS, label="center")
-    store = FleetVectorStore(DIM)
+    table = FleetTable(DIM)
     model: dict[str, tuple[DriverRecord, np.ndarray]] = {}
     seen_ids: set[int] = set()
     ids_ = [f"D{i:03d}" for i in range(20)]
@@ -342,42 +348,42 @@ def test_recommend_matches_brute_force_after_random_operations(data: st.DataObje
             n = len(batch)
             seeds = data.draw(st.lists(st.integers(0, 10**6), min_size=n, max_size=n))
             vecs = np.stack([quantized_unit(s) for s in seeds])
-            store.upsert_drivers(batch, vecs)
+            table.upsert_drivers(batch, vecs)
             for rec, vec in zip(batch, vecs, strict=True):
                 model[rec.driver_id] = (rec, vec)
         elif kind == "delete":
             victim = data.draw(st.sampled_from(ids_), label="delete")
-            assert store.delete_driver(victim) == (model.pop(victim, None) is not None)
+            assert table.delete_driver(victim) == (model.pop(victim, None) is not None)
         elif kind == "move":
             victim = data.draw(st.sampled_from(ids_), label="move")
             pos = data.draw(positions(center), label="to")
             if victim in model:
-                rec = store.update_driver(victim, position=pos)
+                rec = table.update_driver(victim, position=pos)
                 assert rec.position == pos
                 model[victim] = (rec, model[victim][1])
             else:
                 with pytest.raises(KeyError):
-                    store.update_driver(victim, position=pos)
+                    table.update_driver(victim, position=pos)
         else:
             victim = data.draw(st.sampled_from(ids_), label="status of")
             status = data.draw(st.sampled_from(STATUSES), label="status")
             if victim in model:
-                rec = store.update_driver(victim, status=status)
+                rec = table.update_driver(victim, status=status)
                 model[victim] = (rec, model[victim][1])
             else:
                 with pytest.raises(KeyError):
-                    store.update_driver(victim, status=status)
+                    table.update_driver(victim, status=status)
         # FAISS ids are never reused: a new one is larger than every id ever handed out.
-        now = set(faiss_ids(store))
+        now = set(faiss_ids(table))
         fresh = now - seen_ids
         assert not seen_ids or not fresh or min(fresh) > max(seen_ids)
         seen_ids |= now
-    assert_consistent(store, model)
+    assert_consistent(table, model)
     for _ in range(3):
         o = data.draw(orders(center), label="order")
         q = quantized_unit(data.draw(st.integers(0, 10**6), label="query seed"))
         considered, expected = brute_force(model, o, q)
-        assert_recommendation(store.recommend(o, q), considered, expected, o.k)
+        assert_recommendation(table.recommend(o, q), considered, expected, o.k)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -387,8 +393,8 @@ def test_recommend_matches_brute_force_on_a_synthetic_fleet(seed: int) -> None:
     rng = np.random.default_rng(seed)
     dim = 384  # the real model's: FAISS kernels differ by dimension
     vecs = gaussian_unit(rng, len(fleet), dim)
-    store = FleetVectorStore(dim)
-    store.upsert_drivers(fleet, vecs)
+    table = FleetTable(dim)
+    table.upsert_drivers(fleet, vecs)
     model = {r.driver_id: (r, v) for r, v in zip(fleet, vecs, strict=True)}
     for i in range(20):
         anchor = fleet[int(rng.integers(len(fleet)))].position
@@ -402,19 +408,21 @@ def test_recommend_matches_brute_force_on_a_synthetic_fleet(seed: int) -> None:
         )
         q = gaussian_unit(rng, 1, dim)[0]
         considered, expected = brute_force(model, o, q, off_the_circle)
-        got = store.recommend(o, q)
+        got = table.recommend(o, q)
         assert_recommendation(got, considered, expected, o.k, sim_tol=1e-5)
         if i > 1:
             continue
         # The reported similarity is bit for bit the score FAISS's own search gives.
-        everyone = store.query(VectorStoreQuery(query_embedding=q.tolist(), similarity_top_k=2000))
+        everyone = llama_query(
+            table, VectorStoreQuery(query_embedding=q.tolist(), similarity_top_k=2000)
+        )
         faiss_scores = dict(zip(everyone.ids or [], everyone.similarities or [], strict=True))
         assert all(c.similarity == faiss_scores[c.driver_id] for c in got.candidates)
-        assert all(c.similarity == retrievable(store, c.driver_id, q) for c in got.candidates)
+        assert all(c.similarity == retrievable(table, c.driver_id, q) for c in got.candidates)
 
 
 def test_recommend_orders_ties_by_distance_then_driver_id() -> None:
-    store = FleetVectorStore(DIM)
+    table = FleetTable(DIM)
     v = quantized_unit(7)
     lat, lng = SHANGHAI
     recs = [
@@ -425,8 +433,8 @@ def test_recommend_orders_ties_by_distance_then_driver_id() -> None:
         driver("D001", lat + 0.03, lng, status="busy"),
     ]
     other = -v
-    store.upsert_drivers([*recs, driver("D000", lat, lng)], np.stack([v] * 5 + [other]))
-    got = store.recommend(order(lat, lng, k=3), v)
+    table.upsert_drivers([*recs, driver("D000", lat, lng)], np.stack([v] * 5 + [other]))
+    got = table.recommend(order(lat, lng, k=3), v)
     assert [c.driver_id for c in got.candidates] == ["D002", "D004", "D005"]
     assert got.considered == 5
     assert got.candidates[0].similarity == 1.0
@@ -435,9 +443,9 @@ def test_recommend_orders_ties_by_distance_then_driver_id() -> None:
 
 
 def test_recommend_applies_constraints_and_equal_cargo_fits() -> None:
-    store = FleetVectorStore(DIM)
+    table = FleetTable(DIM)
     v = quantized_unit(1)
-    store.upsert_drivers(
+    table.upsert_drivers(
         [
             driver(1, energy="electric", capacity=300, volume=2.0, height=1.2),  # exact fit
             driver(2, energy="electric", capacity=299.9, volume=2.0, height=1.2),
@@ -448,23 +456,23 @@ def test_recommend_applies_constraints_and_equal_cargo_fits() -> None:
         np.stack([v] * 5),
     )
     cargo = Cargo(weight_kg=300, volume_m3=2.0, height_m=1.2)
-    got = store.recommend(order(constraints=["electric_only"], cargo=cargo), v)
+    got = table.recommend(order(constraints=["electric_only"], cargo=cargo), v)
     assert [c.driver_id for c in got.candidates] == ["D001"]
     assert got.considered == 3  # available and inside the radius, before constraints/cargo
     with pytest.raises(UnknownConstraintError):
-        store.recommend(order(constraints=["teleport"]), v)
+        table.recommend(order(constraints=["teleport"]), v)
 
 
 def test_recommend_rejects_a_bad_query_vector() -> None:
-    store = FleetVectorStore(DIM)
+    table = FleetTable(DIM)
     with pytest.raises(VectorError):
-        store.recommend(order(), np.ones(DIM))  # not unit length
+        table.recommend(order(), np.ones(DIM))  # not unit length
     with pytest.raises(VectorError):
-        store.recommend(order(), quantized_unit(1)[:-1])
+        table.recommend(order(), quantized_unit(1)[:-1])
     with pytest.raises(VectorError):
-        store.recommend(order(), quantized_unit(1)[None, :])
+        table.recommend(order(), quantized_unit(1)[None, :])
     with pytest.raises(VectorError):
-        store.recommend(order(), "not a vector")
+        table.recommend(order(), "not a vector")
 
 
 # -- upsert, delete, update -------------------------------------------------------------------
@@ -472,46 +480,46 @@ def test_recommend_rejects_a_bad_query_vector() -> None:
 
 def test_delete_then_insert_keeps_every_live_driver() -> None:
     """The FaissMapVectorStore bug (FACTS.md): insert after delete reused a live id."""
-    store = FleetVectorStore(DIM)
+    table = FleetTable(DIM)
     a, b, c = quantized_unit(1), quantized_unit(2), quantized_unit(3)
-    store.upsert_drivers([driver("DA"), driver("DB")], np.stack([a, b]))
-    assert store.delete_driver("DA")
-    store.upsert_drivers([driver("DC")], c[None, :])
-    assert retrievable(store, "DB", b) == pytest.approx(1.0)
-    assert retrievable(store, "DC", c) == pytest.approx(1.0)
-    assert retrievable(store, "DA", a) is None
-    assert "DA" not in store and store.get_driver("DA") is None
-    ids = faiss_ids(store)
-    assert len(ids) == len(set(ids)) == store.client.ntotal == len(store) == 2
-    hits = store.query(VectorStoreQuery(query_embedding=a.tolist(), similarity_top_k=10))
+    table.upsert_drivers([driver("DA"), driver("DB")], np.stack([a, b]))
+    assert table.delete_driver("DA")
+    table.upsert_drivers([driver("DC")], c[None, :])
+    assert retrievable(table, "DB", b) == pytest.approx(1.0)
+    assert retrievable(table, "DC", c) == pytest.approx(1.0)
+    assert retrievable(table, "DA", a) is None
+    assert "DA" not in table and table.get_driver("DA") is None
+    ids = faiss_ids(table)
+    assert len(ids) == len(set(ids)) == table.flat.ntotal == len(table) == 2
+    hits = llama_query(table, VectorStoreQuery(query_embedding=a.tolist(), similarity_top_k=10))
     assert sorted(hits.ids or []) == ["DB", "DC"]
-    assert not store.delete_driver("DA")
+    assert not table.delete_driver("DA")
 
 
 def test_upsert_replaces_the_vector_and_the_record() -> None:
-    store = FleetVectorStore(DIM)
+    table = FleetTable(DIM)
     old, new = quantized_unit(1), quantized_unit(2)
-    store.upsert_drivers([driver(1), driver(2)], np.stack([old, quantized_unit(3)]))
-    store.upsert_drivers([driver(1, status="busy", vtype="truck")], new[None, :])
-    assert store.client.ntotal == len(store) == 2
-    assert np.array_equal(vector_of(store, "D001"), new)
-    rec = store.get_driver("D001")
+    table.upsert_drivers([driver(1), driver(2)], np.stack([old, quantized_unit(3)]))
+    table.upsert_drivers([driver(1, status="busy", vtype="truck")], new[None, :])
+    assert table.flat.ntotal == len(table) == 2
+    assert np.array_equal(vector_of(table, "D001"), new)
+    rec = table.get_driver("D001")
     assert rec is not None and rec.vehicle.type == "truck"
-    res = store.query(VectorStoreQuery(query_embedding=old.tolist(), similarity_top_k=5))
+    res = llama_query(table, VectorStoreQuery(query_embedding=old.tolist(), similarity_top_k=5))
     assert res.similarities is not None
     for driver_id, sim in zip(res.ids or [], res.similarities, strict=True):
         if driver_id == "D001":
             assert sim == pytest.approx(float(old @ new))  # the new vector answers
-    assert not any(np.array_equal(row, old) for row in faiss_vectors(store))
+    assert not any(np.array_equal(row, old) for row in faiss_vectors(table))
 
 
 def test_upsert_with_repeated_driver_id_keeps_the_last() -> None:
-    store = FleetVectorStore(DIM)
+    table = FleetTable(DIM)
     first, last = quantized_unit(1), quantized_unit(2)
-    store.upsert_drivers([driver(1, status="busy"), driver(1)], np.stack([first, last]))
-    assert len(store) == store.client.ntotal == 1
-    assert np.array_equal(vector_of(store, "D001"), last)
-    rec = store.get_driver("D001")
+    table.upsert_drivers([driver(1, status="busy"), driver(1)], np.stack([first, last]))
+    assert len(table) == table.flat.ntotal == 1
+    assert np.array_equal(vector_of(table, "D001"), last)
+    rec = table.get_driver("D001")
     assert rec is not None and rec.status == "available"
 
 
@@ -527,57 +535,57 @@ def test_upsert_with_repeated_driver_id_keeps_the_last() -> None:
     ids=["rows", "dim", "nan", "not-unit", "not-numeric"],
 )
 def test_upsert_is_all_or_nothing(make_vectors: Any) -> None:
-    store = FleetVectorStore(DIM)
-    store.upsert_drivers([driver(1)], quantized_unit(9)[None, :])
-    before = (faiss_ids(store), faiss_vectors(store).copy(), store.get_driver("D001"))
+    table = FleetTable(DIM)
+    table.upsert_drivers([driver(1)], quantized_unit(9)[None, :])
+    before = (faiss_ids(table), faiss_vectors(table).copy(), table.get_driver("D001"))
     with pytest.raises(VectorError):
-        store.upsert_drivers([driver(1, status="busy"), driver(2), driver(3)], make_vectors())
-    assert (len(store), store.client.ntotal) == (1, 1)
-    assert faiss_ids(store) == before[0]
-    assert np.array_equal(faiss_vectors(store), before[1])
-    assert store.get_driver("D001") == before[2]
-    assert "D002" not in store
+        table.upsert_drivers([driver(1, status="busy"), driver(2), driver(3)], make_vectors())
+    assert (len(table), table.flat.ntotal) == (1, 1)
+    assert faiss_ids(table) == before[0]
+    assert np.array_equal(faiss_vectors(table), before[1])
+    assert table.get_driver("D001") == before[2]
+    assert "D002" not in table
     with pytest.raises(TypeError):
-        store.upsert_drivers([driver(2).model_dump()], quantized_unit(2)[None, :])  # type: ignore[list-item]
-    assert len(store) == 1
+        table.upsert_drivers([driver(2).model_dump()], quantized_unit(2)[None, :])  # type: ignore[list-item]
+    assert len(table) == 1
 
 
 def test_update_driver_moves_and_changes_status_without_vector_work(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    store = FleetVectorStore(DIM)
+    table = FleetTable(DIM)
     v = quantized_unit(4)
-    store.upsert_drivers([driver(1), driver(2, SHANGHAI[0] + 0.5)], np.stack([v, v]))
-    ids, vectors = faiss_ids(store), faiss_vectors(store).copy()
+    table.upsert_drivers([driver(1), driver(2, SHANGHAI[0] + 0.5)], np.stack([v, v]))
+    ids, vectors = faiss_ids(table), faiss_vectors(table).copy()
 
     def no_vector_work(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("update_driver touched FAISS")
 
     for name in ("add", "add_with_ids", "remove_ids", "reset"):
-        monkeypatch.setattr(type(store.client), name, no_vector_work)
+        monkeypatch.setattr(type(table.flat), name, no_vector_work)
     far = Position(lat=SHANGHAI[0] + 0.5, lng=SHANGHAI[1])
-    rec = store.update_driver("D001", position=far, status="busy")
+    rec = table.update_driver("D001", position=far, status="busy")
     assert rec.position == far and rec.status == "busy"
-    assert store.get_driver("D001") == rec
-    assert store.recommend(order(), v).considered == 0  # moved away and busy
-    store.update_driver("D001", status="available")
-    got = store.recommend(order(far.lat, far.lng), v)
+    assert table.get_driver("D001") == rec
+    assert table.recommend(order(), v).considered == 0  # moved away and busy
+    table.update_driver("D001", status="available")
+    got = table.recommend(order(far.lat, far.lng), v)
     assert sorted(c.driver_id for c in got.candidates) == ["D001", "D002"]
     with pytest.raises(KeyError):
-        store.update_driver("nobody", status="busy")
+        table.update_driver("nobody", status="busy")
     with pytest.raises(ValueError, match="status"):
-        store.update_driver("D001", status="asleep")
+        table.update_driver("D001", status="asleep")
     monkeypatch.undo()
-    assert faiss_ids(store) == ids
-    assert np.array_equal(faiss_vectors(store), vectors)
+    assert faiss_ids(table) == ids
+    assert np.array_equal(faiss_vectors(table), vectors)
 
 
 # -- snapshots --------------------------------------------------------------------------------
 
 
-def _populated(n: int = 300, seed: int = 0) -> tuple[FleetVectorStore, list[Order], np.ndarray]:
+def _populated(n: int = 300, seed: int = 0) -> tuple[FleetTable, list[Order], np.ndarray]:
     rng = np.random.default_rng(seed)
-    store = FleetVectorStore(DIM)
+    table = FleetTable(DIM)
     recs = [
         driver(
             i,
@@ -589,28 +597,28 @@ def _populated(n: int = 300, seed: int = 0) -> tuple[FleetVectorStore, list[Orde
         )
         for i in range(n)
     ]
-    store.upsert_drivers(recs, gaussian_unit(rng, n))
+    table.upsert_drivers(recs, gaussian_unit(rng, n))
     for i in range(0, n, 7):
-        store.delete_driver(f"D{i:03d}")
+        table.delete_driver(f"D{i:03d}")
     orders_ = [
         order(radius_km=r, k=20, constraints=c) for r in (2, 5, 12) for c in ([], ["electric_only"])
     ]
-    return store, orders_, gaussian_unit(rng, 1)[0]
+    return table, orders_, gaussian_unit(rng, 1)[0]
 
 
-def _answers(store: FleetVectorStore, orders_: list[Order], q: np.ndarray) -> list[Recommendation]:
-    return [store.recommend(o, q) for o in orders_]
+def _answers(table: FleetTable, orders_: list[Order], q: np.ndarray) -> list[Recommendation]:
+    return [table.recommend(o, q) for o in orders_]
 
 
 def test_save_load_round_trip_answers_identically(tmp_path: Path) -> None:
-    store, orders_, q = _populated()
-    store.save(tmp_path / "fleet")
-    loaded = FleetVectorStore.load(tmp_path / "fleet", DIM)
-    assert _answers(loaded, orders_, q) == _answers(store, orders_, q)
-    assert sorted(loaded.driver_ids()) == sorted(store.driver_ids())
-    for driver_id in store.driver_ids():
-        assert loaded.get_driver(driver_id) == store.get_driver(driver_id)
-        assert np.array_equal(vector_of(loaded, driver_id), vector_of(store, driver_id))
+    table, orders_, q = _populated()
+    table.save(tmp_path / "fleet")
+    loaded = FleetTable.load(tmp_path / "fleet", DIM)
+    assert _answers(loaded, orders_, q) == _answers(table, orders_, q)
+    assert sorted(loaded.driver_ids()) == sorted(table.driver_ids())
+    for driver_id in table.driver_ids():
+        assert loaded.get_driver(driver_id) == table.get_driver(driver_id)
+        assert np.array_equal(vector_of(loaded, driver_id), vector_of(table, driver_id))
     # The id counter is persisted: ids handed out after a load are still new.
     before = set(faiss_ids(loaded))
     loaded.upsert_drivers([driver(999)], quantized_unit(1)[None, :])
@@ -630,65 +638,65 @@ def test_save_load_round_trip_answers_identically(tmp_path: Path) -> None:
 
 
 def test_saving_from_a_thread_while_the_store_changes(tmp_path: Path) -> None:
-    store, orders_, q = _populated(200)
+    table, orders_, q = _populated(200)
     errors: list[BaseException] = []
 
     def saver() -> None:
         try:
             for _ in range(5):
-                store.save(tmp_path)
-                FleetVectorStore.load(tmp_path, DIM)  # every published snapshot is whole
+                table.save(tmp_path)
+                FleetTable.load(tmp_path, DIM)  # every published snapshot is whole
         except BaseException as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
     thread = threading.Thread(target=saver)
     thread.start()
     for i in range(300):
-        store.upsert_drivers([driver(2000 + i)], quantized_unit(i)[None, :])
-        store.update_driver(f"D{2000 + i}", status="busy")
-        store.delete_driver(f"D{2000 + i - 50}")
+        table.upsert_drivers([driver(2000 + i)], quantized_unit(i)[None, :])
+        table.update_driver(f"D{2000 + i}", status="busy")
+        table.delete_driver(f"D{2000 + i - 50}")
     thread.join()
     assert not errors
-    store.save(tmp_path)
-    loaded = FleetVectorStore.load(tmp_path, DIM)
-    assert sorted(loaded.driver_ids()) == sorted(store.driver_ids())
-    assert _answers(loaded, orders_, q) == _answers(store, orders_, q)
+    table.save(tmp_path)
+    loaded = FleetTable.load(tmp_path, DIM)
+    assert sorted(loaded.driver_ids()) == sorted(table.driver_ids())
+    assert _answers(loaded, orders_, q) == _answers(table, orders_, q)
 
 
 def test_load_of_a_missing_dir_is_an_empty_store(tmp_path: Path) -> None:
-    store = FleetVectorStore.load(tmp_path / "nothing-here", DIM)
-    assert len(store) == 0 and store.dim == DIM
+    table = FleetTable.load(tmp_path / "nothing-here", DIM)
+    assert len(table) == 0 and table.dim == DIM
 
 
 def test_an_empty_store_saves_and_loads(tmp_path: Path) -> None:
-    FleetVectorStore(DIM).save(tmp_path)
-    store = FleetVectorStore.load(tmp_path, DIM)
-    assert len(store) == 0
+    FleetTable(DIM).save(tmp_path)
+    table = FleetTable.load(tmp_path, DIM)
+    assert len(table) == 0
     populated, _, _ = _populated(5)
     ids = list(populated.driver_ids())
-    store.upsert_drivers(
+    table.upsert_drivers(
         [populated.get_driver(i) for i in ids],  # type: ignore[misc]
         np.stack([populated.get_vector(i) for i in ids]),  # type: ignore[misc]
     )
-    assert sorted(store.driver_ids()) == sorted(ids)
+    assert sorted(table.driver_ids()) == sorted(ids)
 
 
 def test_load_with_another_dim_is_a_clear_error(tmp_path: Path) -> None:
-    store, _, _ = _populated(20)
-    store.save(tmp_path)
+    table, _, _ = _populated(20)
+    table.save(tmp_path)
     with pytest.raises(ValueError, match=f"{DIM}-d vectors, expected 32-d"):
-        FleetVectorStore.load(tmp_path, 32)
+        FleetTable.load(tmp_path, 32)
 
 
 @pytest.mark.parametrize("fail_at", ["records", "meta", "pointer", "replace"])
 def test_a_crash_during_save_leaves_the_previous_snapshot(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail_at: str
 ) -> None:
-    store, orders_, q = _populated()
-    store.save(tmp_path)
-    previous = _answers(store, orders_, q)
-    store.upsert_drivers([driver(1000, status="available")], q[None, :])
-    store.delete_driver("D001")
+    table, orders_, q = _populated()
+    table.save(tmp_path)
+    previous = _answers(table, orders_, q)
+    table.upsert_drivers([driver(1000, status="available")], q[None, :])
+    table.delete_driver("D001")
 
     real_write = snapshot_module._write_durably
 
@@ -708,43 +716,43 @@ def test_a_crash_during_save_leaves_the_previous_snapshot(
         fail_at = names[fail_at]
         monkeypatch.setattr(snapshot_module, "_write_durably", crashing_write)
     with pytest.raises(OSError):
-        store.save(tmp_path)
+        table.save(tmp_path)
     monkeypatch.undo()
-    loaded = FleetVectorStore.load(tmp_path, DIM)
+    loaded = FleetTable.load(tmp_path, DIM)
     assert _answers(loaded, orders_, q) == previous
     assert "D1000" not in loaded and "D001" in loaded
     # A later save succeeds and publishes the new state.
-    store.save(tmp_path)
-    assert "D1000" in FleetVectorStore.load(tmp_path, DIM)
+    table.save(tmp_path)
+    assert "D1000" in FleetTable.load(tmp_path, DIM)
 
 
 def test_debris_of_a_killed_save_is_ignored_then_cleaned(tmp_path: Path) -> None:
-    store, orders_, q = _populated(50)
-    store.save(tmp_path)
+    table, orders_, q = _populated(50)
+    table.save(tmp_path)
     debris = tmp_path / "snapshot-00000007"  # a save killed before switching CURRENT
     debris.mkdir()
     (debris / "index.faiss").write_bytes(b"\x00garbage")
     (tmp_path / "CURRENT.tmp").write_text("snapshot-00000007")
-    assert _answers(FleetVectorStore.load(tmp_path, DIM), orders_, q) == _answers(store, orders_, q)
-    store.save(tmp_path)
+    assert _answers(FleetTable.load(tmp_path, DIM), orders_, q) == _answers(table, orders_, q)
+    table.save(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["CURRENT", "snapshot-00000002"]
 
 
 def test_a_corrupt_snapshot_is_a_snapshot_error(tmp_path: Path) -> None:
-    store, _, _ = _populated(30)
+    table, _, _ = _populated(30)
     snap = snapshot_module.read(tmp_path)
     assert snap is None
-    store.save(tmp_path)
+    table.save(tmp_path)
     live = tmp_path / (tmp_path / "CURRENT").read_text().strip()
     blob = (live / "records.bin").read_bytes()
     (live / "records.bin").write_bytes(blob[:-10])  # a torn last record
     with pytest.raises(SnapshotError, match="records"):
-        FleetVectorStore.load(tmp_path, DIM)
+        FleetTable.load(tmp_path, DIM)
     (tmp_path / "CURRENT").write_text("snapshot-99999999")
     with pytest.raises(SnapshotError):
-        FleetVectorStore.load(tmp_path, DIM)
-    store.save(tmp_path)  # a save repairs a broken pointer
-    assert len(FleetVectorStore.load(tmp_path, DIM)) == len(store)
+        FleetTable.load(tmp_path, DIM)
+    table.save(tmp_path)  # a save repairs a broken pointer
+    assert len(FleetTable.load(tmp_path, DIM)) == len(table)
 
 
 # -- LlamaIndex surface -----------------------------------------------------------------------
@@ -799,7 +807,7 @@ def _fan_store() -> FleetVectorStore:
         driver(6, vtype="van", status="offline"),
         driver(7, vtype="van"),
     ]
-    store.upsert_drivers(recs, _fan(len(recs)))
+    store.table.upsert_drivers(recs, _fan(len(recs)))
     return store
 
 
@@ -842,8 +850,8 @@ def test_llamaindex_insert_embeds_a_batch_in_one_call() -> None:
     nodes = [driver_node(driver(i, vtype=TYPES[i % 5])) for i in range(300)]
     index.insert_nodes(nodes)
     assert fake.calls == [("embed_documents", 300)]
-    assert len(store) == 300
-    assert store.get_driver("D042") == driver(42, vtype=TYPES[42 % 5])
+    assert len(store.table) == 300
+    assert store.table.get_driver("D042") == driver(42, vtype=TYPES[42 % 5])
     res = store.query(
         VectorStoreQuery(
             query_embedding=fake.embed_query("x"), similarity_top_k=4, doc_ids=["D007"]
@@ -897,7 +905,7 @@ def test_nodes_api_add_get_delete_clear() -> None:
     plain = TextNode(id_="D100", embedding=quantized_unit(100).tolist(), metadata={})
     plain.metadata.update(driver(100).model_dump(mode="json", exclude={"driver_id"}))
     store.add([plain])
-    assert store.get_driver("D100") == driver(100)
+    assert store.table.get_driver("D100") == driver(100)
     with pytest.raises(ValueError, match="driver_id"):
         store.add([driver_node(driver(1), quantized_unit(1)).model_copy(update={"id_": "X"})])
     with pytest.raises(VectorError):
@@ -905,25 +913,68 @@ def test_nodes_api_add_get_delete_clear() -> None:
     busy = MetadataFilters(filters=[MetadataFilter(key="status", value="busy")])
     assert sorted(n.node_id for n in store.get_nodes(filters=busy)) == ["D001", "D004"]
     store.delete_nodes(filters=busy)
-    assert sorted(store.driver_ids()) == ["D000", "D002", "D003", "D005", "D100"]
+    assert sorted(store.table.driver_ids()) == ["D000", "D002", "D003", "D005", "D100"]
     store.delete("D000")
     store.delete_nodes(node_ids=["D002"])
-    assert len(store) == store.client.ntotal == 3
-    before = max(faiss_ids(store))
+    assert len(store.table) == store.client.ntotal == 3
+    before = max(faiss_ids(store.table))
     store.clear()
-    assert len(store) == store.client.ntotal == 0
+    assert len(store.table) == store.client.ntotal == 0
     store.add([driver_node(driver(1), quantized_unit(1))])
-    assert faiss_ids(store)[0] > before  # clear() does not reset the id counter
+    assert faiss_ids(store.table)[0] > before  # clear() does not reset the id counter
 
 
 def test_persist_and_from_persist_path(tmp_path: Path) -> None:
     store = _fan_store()
     store.persist(str(tmp_path / "vs"))
     loaded = FleetVectorStore.from_persist_path(str(tmp_path / "vs"))
-    assert loaded.dim == DIM and sorted(loaded.driver_ids()) == sorted(store.driver_ids())
+    assert loaded.table.dim == DIM
+    assert sorted(loaded.table.driver_ids()) == sorted(store.table.driver_ids())
     with pytest.raises(SnapshotError):
         FleetVectorStore.from_persist_path(str(tmp_path / "empty"))
-    assert len(FleetVectorStore.from_persist_path(str(tmp_path / "empty"), dim=DIM)) == 0
+    assert len(FleetVectorStore.from_persist_path(str(tmp_path / "empty"), dim=DIM).table) == 0
+
+
+def test_a_store_over_an_existing_table_shares_it_both_ways() -> None:
+    """``FleetVectorStore(table=...)`` keeps no state of its own: drivers upserted through the
+    table answer LlamaIndex queries, nodes added or deleted through the store are the table's,
+    and the domain API lives on the table only."""
+    table = FleetTable(DIM)
+    table.upsert_drivers([driver(i, vtype=TYPES[i % 5]) for i in range(8)], _fan(8))
+    store = FleetVectorStore(table=table)
+    assert store.table is table and store.client is table.flat
+    assert not hasattr(store, "recommend") and not hasattr(store, "upsert_drivers")
+    e0 = np.eye(DIM, dtype=np.float32)[0]
+    embed = BatchingEmbedding(FakeEmbeddings({"text": e0}))
+    index = VectorStoreIndex.from_vector_store(store, embed_model=embed)
+    vans = MetadataFilters(filters=[MetadataFilter(key="vehicle_type", value="van")])
+    got = index.as_retriever(similarity_top_k=5, filters=vans).retrieve("text")
+    assert [n.node.node_id for n in got] == ["D001", "D006"]
+    assert [n.node_id for n in store.get_nodes(node_ids=["D007", "nobody", "D002"])] == [
+        "D007",
+        "D002",
+    ]
+
+    index.insert_nodes([driver_node(driver(20, vtype="car"))])  # embedded by the index
+    assert table.get_driver("D020") == driver(20, vtype="car")
+    store.add([driver_node(driver(21, vtype="car"), e0)])
+    best = table.recommend(order(k=2), e0).candidates
+    assert [(c.driver_id, c.similarity) for c in best] == [("D000", 1.0), ("D021", 1.0)]
+    store.delete("D000")
+    table.delete_driver("D001")
+    assert "D000" not in table and not store.get_nodes(node_ids=["D001"])
+    got = index.as_retriever(similarity_top_k=5, filters=vans).retrieve("text")
+    assert [n.node.node_id for n in got] == ["D006"]
+    assert len(table) == store.client.ntotal == 8
+
+
+def test_a_store_needs_dim_or_table() -> None:
+    with pytest.raises(ValueError, match="dim"):
+        FleetVectorStore()
+    with pytest.raises(ValueError, match="not both"):
+        FleetVectorStore(DIM, table=FleetTable(DIM))
+    with pytest.raises(ValueError, match="dim must be a positive int"):
+        FleetVectorStore(0)
 
 
 # -- geo grid ---------------------------------------------------------------------------------

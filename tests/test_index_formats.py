@@ -17,9 +17,9 @@ import pytest
 from llama_index.core.vector_stores.types import VectorStoreQuery
 
 from features.models import Cargo
-from indexes import FleetIndexError, FleetVectorStore, GeoGrid, SnapshotError, gpu
+from indexes import FleetIndexError, FleetTable, GeoGrid, SnapshotError, gpu
 from indexes.snapshot import FORMAT
-from indexes.store import CELL_DEG
+from indexes.table import CELL_DEG
 from tests.test_index import (
     DIM,
     SHANGHAI,
@@ -28,21 +28,22 @@ from tests.test_index import (
     driver,
     faiss_ids,
     gaussian_unit,
+    llama_query,
     order,
     quantized_unit,
 )
 
 
-def write_format_1(root: Path, store: FleetVectorStore) -> None:
-    """The snapshot the previous version wrote for ``store`` (its ``snapshot._write_files``)."""
-    ids = store.driver_ids()
-    fids = np.asarray(faiss_ids(store), dtype=np.int64)
+def write_format_1(root: Path, table: FleetTable) -> None:
+    """The snapshot the previous version wrote for ``table`` (its ``snapshot._write_files``)."""
+    ids = table.driver_ids()
+    fids = np.asarray(faiss_ids(table), dtype=np.int64)
     index = faiss.IndexIDMap2(faiss.IndexFlatIP(DIM))
-    index.add_with_ids(np.stack([store.get_vector(i) for i in ids]), fids)  # type: ignore[misc]
+    index.add_with_ids(np.stack([table.get_vector(i) for i in ids]), fids)  # type: ignore[misc]
     target = root / "snapshot-00000003"
     target.mkdir(parents=True)
     faiss.write_index(index, str(target / "index.faiss"))
-    records = [store.get_driver(i) for i in ids]
+    records = [table.get_driver(i) for i in ids]
     lines = b"".join(r.model_dump_json().encode() + b"\n" for r in records)  # type: ignore[union-attr]
     (target / "records.jsonl").write_bytes(lines)
     meta = {
@@ -57,31 +58,31 @@ def write_format_1(root: Path, store: FleetVectorStore) -> None:
 
 
 def test_a_format_1_snapshot_still_loads_and_is_saved_as_format_2(tmp_path: Path) -> None:
-    store, orders_, q = _populated(200)
-    store.update_driver("D001", status="busy")
-    write_format_1(tmp_path, store)
-    loaded = FleetVectorStore.load(tmp_path, DIM)
-    assert _answers(loaded, orders_, q) == _answers(store, orders_, q)
-    for driver_id in store.driver_ids():
-        assert loaded.get_driver(driver_id) == store.get_driver(driver_id)
-        assert np.array_equal(loaded.get_vector(driver_id), store.get_vector(driver_id))  # type: ignore[arg-type]
-    assert sorted(faiss_ids(loaded)) == sorted(faiss_ids(store))
+    table, orders_, q = _populated(200)
+    table.update_driver("D001", status="busy")
+    write_format_1(tmp_path, table)
+    loaded = FleetTable.load(tmp_path, DIM)
+    assert _answers(loaded, orders_, q) == _answers(table, orders_, q)
+    for driver_id in table.driver_ids():
+        assert loaded.get_driver(driver_id) == table.get_driver(driver_id)
+        assert np.array_equal(loaded.get_vector(driver_id), table.get_vector(driver_id))  # type: ignore[arg-type]
+    assert sorted(faiss_ids(loaded)) == sorted(faiss_ids(table))
     loaded.save(tmp_path)
     live = tmp_path / (tmp_path / "CURRENT").read_text().strip()
     assert json.loads((live / "meta.json").read_text())["format"] == FORMAT == 2
-    again = FleetVectorStore.load(tmp_path, DIM)
-    assert _answers(again, orders_, q) == _answers(store, orders_, q)
+    again = FleetTable.load(tmp_path, DIM)
+    assert _answers(again, orders_, q) == _answers(table, orders_, q)
 
 
 def test_an_unknown_format_is_refused_by_name(tmp_path: Path) -> None:
-    store, _, _ = _populated(20)
-    store.save(tmp_path)
+    table, _, _ = _populated(20)
+    table.save(tmp_path)
     live = tmp_path / (tmp_path / "CURRENT").read_text().strip()
     meta = json.loads((live / "meta.json").read_text())
     meta["format"] = 3
     (live / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(SnapshotError, match="unknown snapshot format 3"):
-        FleetVectorStore.load(tmp_path, DIM)
+        FleetTable.load(tmp_path, DIM)
 
 
 def test_a_snapshot_with_another_constraint_vocabulary_recomputes_the_bits(
@@ -89,44 +90,46 @@ def test_a_snapshot_with_another_constraint_vocabulary_recomputes_the_bits(
 ) -> None:
     """Bits are saved with the names behind them; a load under other names must not reuse
     them blindly (e.g. a constraint added or reordered between versions)."""
-    store = FleetVectorStore(DIM)
+    table = FleetTable(DIM)
     recs = [
         driver(i, energy=("electric", "diesel")[i % 2], refrigerated=i % 3 == 0) for i in range(30)
     ]
-    store.upsert_drivers(recs, np.stack([quantized_unit(i) for i in range(30)]))
-    store.save(tmp_path)
+    table.upsert_drivers(recs, np.stack([quantized_unit(i) for i in range(30)]))
+    table.save(tmp_path)
     live = tmp_path / (tmp_path / "CURRENT").read_text().strip()
     meta = json.loads((live / "meta.json").read_text())
     meta["constraints"] = list(reversed(meta["constraints"]))
     (live / "meta.json").write_text(json.dumps(meta))
-    loaded = FleetVectorStore.load(tmp_path, DIM)
+    loaded = FleetTable.load(tmp_path, DIM)
     q = quantized_unit(5)
     for names in (["electric_only"], ["refrigerated"], ["electric_only", "refrigerated"]):
         o = order(constraints=names, cargo=Cargo(weight_kg=10.0))
-        assert loaded.recommend(o, q) == store.recommend(o, q)
-        assert store.recommend(o, q).candidates
+        assert loaded.recommend(o, q) == table.recommend(o, q)
+        assert table.recommend(o, q).candidates
 
 
 def test_delete_moves_the_last_row_and_keeps_every_answer() -> None:
     """Swap-remove: deleting from the middle moves the last driver's row, never its data."""
     rng = np.random.default_rng(3)
-    store = FleetVectorStore(DIM)
+    table = FleetTable(DIM)
     recs = [driver(i, SHANGHAI[0] + 0.001 * i) for i in range(50)]
     vecs = gaussian_unit(rng, 50)
-    store.upsert_drivers(recs, vecs)
-    ids_before = dict(zip(store.driver_ids(), faiss_ids(store), strict=True))
+    table.upsert_drivers(recs, vecs)
+    ids_before = dict(zip(table.driver_ids(), faiss_ids(table), strict=True))
     for victim in ("D010", "D049", "D000", "D025"):
-        assert store.delete_driver(victim)
-    assert len(store) == store.client.ntotal == 46
-    ids_after = dict(zip(store.driver_ids(), faiss_ids(store), strict=True))
+        assert table.delete_driver(victim)
+    assert len(table) == table.flat.ntotal == 46
+    ids_after = dict(zip(table.driver_ids(), faiss_ids(table), strict=True))
     assert ids_after == {d: i for d, i in ids_before.items() if d in ids_after}  # ids move along
     for i, rec in enumerate(recs):
         if rec.driver_id in ("D010", "D049", "D000", "D025"):
-            assert store.get_driver(rec.driver_id) is None
+            assert table.get_driver(rec.driver_id) is None
             continue
-        assert store.get_driver(rec.driver_id) == rec
-        assert np.array_equal(store.get_vector(rec.driver_id), vecs[i])  # type: ignore[arg-type]
-        hit = store.query(VectorStoreQuery(query_embedding=vecs[i].tolist(), similarity_top_k=1))
+        assert table.get_driver(rec.driver_id) == rec
+        assert np.array_equal(table.get_vector(rec.driver_id), vecs[i])  # type: ignore[arg-type]
+        hit = llama_query(
+            table, VectorStoreQuery(query_embedding=vecs[i].tolist(), similarity_top_k=1)
+        )
         assert hit.ids == [rec.driver_id]
 
 
@@ -134,23 +137,23 @@ def test_gpu_true_without_gpu_support_is_a_clear_error() -> None:
     if gpu.available():
         pytest.skip("this machine has faiss GPU support")
     with pytest.raises(FleetIndexError, match="faiss"):
-        FleetVectorStore(DIM, gpu=True)
-    assert not FleetVectorStore(DIM).on_gpu  # auto: CPU
+        FleetTable(DIM, gpu=True)
+    assert not FleetTable(DIM).on_gpu  # auto: CPU
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu.available(), reason=f"no faiss GPU: {gpu.why_not()}")
 def test_gpu_replica_answers_like_the_cpu_index_and_follows_changes() -> None:
     rng = np.random.default_rng(0)
-    cpu, dev = FleetVectorStore(DIM, gpu=False), FleetVectorStore(DIM, gpu=True)
+    cpu, dev = FleetTable(DIM, gpu=False), FleetTable(DIM, gpu=True)
     assert dev.on_gpu and not cpu.on_gpu
     recs = [driver(i) for i in range(500)]
     vecs = gaussian_unit(rng, 500)
-    for store in (cpu, dev):
-        store.upsert_drivers(recs, vecs)
+    for table in (cpu, dev):
+        table.upsert_drivers(recs, vecs)
 
-    def top(store: FleetVectorStore, q: np.ndarray) -> tuple[list[str], list[float]]:
-        res = store.query(VectorStoreQuery(query_embedding=q.tolist(), similarity_top_k=10))
+    def top(table: FleetTable, q: np.ndarray) -> tuple[list[str], list[float]]:
+        res = llama_query(table, VectorStoreQuery(query_embedding=q.tolist(), similarity_top_k=10))
         return res.ids or [], res.similarities or []
 
     for q in gaussian_unit(rng, 5):
@@ -166,32 +169,32 @@ def test_gpu_replica_answers_like_the_cpu_index_and_follows_changes() -> None:
 
 
 def test_a_snapshot_with_a_repeated_driver_id_is_a_snapshot_error(tmp_path: Path) -> None:
-    store, _, _ = _populated(20)
-    store.save(tmp_path)
+    table, _, _ = _populated(20)
+    table.save(tmp_path)
     live = tmp_path / (tmp_path / "CURRENT").read_text().strip()
     ids = json.loads((live / "ids.json").read_text())
     ids["driver_ids"][1] = ids["driver_ids"][0]
     (live / "ids.json").write_text(json.dumps(ids))
     with pytest.raises(SnapshotError, match="twice"):
-        FleetVectorStore.load(tmp_path, DIM)
+        FleetTable.load(tmp_path, DIM)
 
 
 def test_save_writes_rows_in_grid_cell_order_and_answers_stay_the_same(tmp_path: Path) -> None:
     """Neighbours' vectors end up adjacent after a save and load (locality for recommend)."""
     rng = np.random.default_rng(5)
-    store = FleetVectorStore(DIM)
+    table = FleetTable(DIM)
     lats = SHANGHAI[0] + rng.uniform(-0.3, 0.3, 120)
     recs = [driver(i, float(lat)) for i, lat in enumerate(lats)]
-    store.upsert_drivers(recs, gaussian_unit(rng, 120))
-    store.save(tmp_path)
-    loaded = FleetVectorStore.load(tmp_path, DIM)
+    table.upsert_drivers(recs, gaussian_unit(rng, 120))
+    table.save(tmp_path)
+    loaded = FleetTable.load(tmp_path, DIM)
     rows_lat = [loaded.get_driver(d).position.lat for d in loaded.driver_ids()]  # type: ignore[union-attr]
-    cell = GeoGrid(CELL_DEG).cell_deg  # the store's grid
+    cell = GeoGrid(CELL_DEG).cell_deg  # the table's grid
     assert [int((x + 90.0) // cell) for x in rows_lat] == sorted(
         int((x + 90.0) // cell) for x in rows_lat
     )
     q = gaussian_unit(rng, 1)[0]
     for r in (3.0, 10.0, 40.0):
-        assert loaded.recommend(order(radius_km=r, k=15), q) == store.recommend(
+        assert loaded.recommend(order(radius_km=r, k=15), q) == table.recommend(
             order(radius_km=r, k=15), q
         )

@@ -12,8 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from features.models import DriverRecord, Order
-from indexes import FleetVectorStore, Recommendation
-from indexes import store as store_module
+from indexes import FleetTable, Recommendation, ranking
 from tests.test_index import (
     DIM,
     PROPERTY,
@@ -30,10 +29,10 @@ from tests.test_index import (
 Fleet = dict[str, tuple[DriverRecord, np.ndarray]]
 
 
-def build(recs: list[DriverRecord], vecs: np.ndarray) -> tuple[FleetVectorStore, Fleet]:
-    store = FleetVectorStore(vecs.shape[1])
-    store.upsert_drivers(recs, vecs)
-    return store, {r.driver_id: (r, v) for r, v in zip(recs, vecs, strict=True)}
+def build(recs: list[DriverRecord], vecs: np.ndarray) -> tuple[FleetTable, Fleet]:
+    table = FleetTable(vecs.shape[1])
+    table.upsert_drivers(recs, vecs)
+    return table, {r.driver_id: (r, v) for r, v in zip(recs, vecs, strict=True)}
 
 
 def scattered(rng: np.random.Generator, n: int, spread: float = 0.03) -> list[DriverRecord]:
@@ -59,13 +58,11 @@ def patcher() -> Iterator[pytest.MonkeyPatch]:
         yield mp
 
 
-def plain(
-    store: FleetVectorStore, mp: pytest.MonkeyPatch, o: Order, q: np.ndarray
-) -> Recommendation:
+def plain(table: FleetTable, mp: pytest.MonkeyPatch, o: Order, q: np.ndarray) -> Recommendation:
     """The answer of the plain path: every candidate scored exactly."""
-    mp.setattr(store_module, "_EXACT_UP_TO", 10**9)
+    mp.setattr(ranking, "_EXACT_UP_TO", 10**9)
     try:
-        return store.recommend(o, q)
+        return table.recommend(o, q)
     finally:
         mp.undo()
 
@@ -77,14 +74,14 @@ def test_a_dense_fleet_of_near_ties_gets_the_exact_answer(
     # 6,000 drivers within ~5 km: well above the size where the first pass starts.
     rng = np.random.default_rng(seed)
     recs = scattered(rng, 6000)
-    store, fleet = build(recs, near_ties(rng, len(recs)))
+    table, fleet = build(recs, near_ties(rng, len(recs)))
     for i, (radius, k) in enumerate([(3.0, 1), (5.0, 10), (8.0, 50), (20.0, 200)]):
         o = order(radius_km=radius, k=k)
         # The query: one of the base directions (many exact ties), or a random one.
         q = gaussian_unit(rng, 1)[0] if i % 2 else fleet[recs[i].driver_id][1]
-        got = store.recommend(o, q)
-        assert got.considered > store_module._EXACT_UP_TO  # the first pass ran
-        assert got == plain(store, patcher, o, q)  # bit for bit, ties included
+        got = table.recommend(o, q)
+        assert got.considered > ranking._EXACT_UP_TO  # the first pass ran
+        assert got == plain(table, patcher, o, q)  # bit for bit, ties included
         # (No float64 brute force here: near-ties 1e-7 apart are ordered by float32 scores,
         # which the plain path computes and tests/test_index.py checks against brute force.)
         assert got.considered == brute_force(fleet, o, q, off_the_circle)[0]
@@ -100,14 +97,14 @@ def test_when_every_candidate_survives_the_bound_the_answer_is_still_exact(
     recs = scattered(rng, 1500)
     recs += [driver(f"E{r.driver_id[1:]}", r.position.lat, r.position.lng) for r in recs]
     vecs = np.repeat(quantized_unit(3)[None, :], len(recs), axis=0)
-    store, fleet = build(recs, vecs)
+    table, fleet = build(recs, vecs)
     o = order(radius_km=50.0, k=25)
     q = quantized_unit(3)  # scores are exact in float32 and float64 alike: 1.0
-    slots = np.arange(len(store))
-    assert store._may_reach_top(q, slots, o.k).all()  # the premise of this test
-    got = store.recommend(o, q)
+    slots = np.arange(len(table))
+    assert ranking.may_reach_top(table._quant, q, slots, o.k).all()  # the premise of this test
+    got = table.recommend(o, q)
     assert got.considered == len(recs)
-    assert got == plain(store, patcher, o, q)
+    assert got == plain(table, patcher, o, q)
     considered, expected = brute_force(fleet, o, q, off_the_circle)
     assert_recommendation(got, considered, expected, o.k)
 
@@ -124,14 +121,14 @@ def test_the_first_pass_never_changes_an_answer(data: st.DataObject) -> None:
         vecs = np.stack([quantized_unit(int(s)) for s in rng.integers(0, 40, size=n)])
     else:
         vecs = near_ties(rng, n) if kind == "near-ties" else gaussian_unit(rng, n)
-    store, fleet = build(recs, vecs)
+    table, fleet = build(recs, vecs)
     for victim in data.draw(st.lists(st.integers(0, n - 1), max_size=10), label="deletes"):
-        store.delete_driver(recs[victim].driver_id)
+        table.delete_driver(recs[victim].driver_id)
         fleet.pop(recs[victim].driver_id, None)
     again = data.draw(st.lists(st.integers(0, n - 1), max_size=10), label="re-upserts")
     for i in again:  # back with a new vector (reuses freed slots' neighbours)
         vec = gaussian_unit(rng, 1)[0]
-        store.upsert_drivers([recs[i]], vec[None, :])
+        table.upsert_drivers([recs[i]], vec[None, :])
         fleet[recs[i].driver_id] = (recs[i], vec)
     with pytest.MonkeyPatch.context() as mp:
         for _ in range(3):
@@ -140,9 +137,9 @@ def test_the_first_pass_never_changes_an_answer(data: st.DataObject) -> None:
                 k=data.draw(st.integers(1, 30), label="k"),
             )
             q = gaussian_unit(rng, 1)[0] if rng.random() < 0.5 else vecs[rng.integers(n)]
-            want = plain(store, mp, o, q)
-            mp.setattr(store_module, "_EXACT_UP_TO", 0)
-            assert store.recommend(o, q) == want
+            want = plain(table, mp, o, q)
+            mp.setattr(ranking, "_EXACT_UP_TO", 0)
+            assert table.recommend(o, q) == want
             mp.undo()
             if kind != "near-ties":  # see test_a_dense_fleet_of_near_ties_...
                 considered, expected = brute_force(fleet, o, q, off_the_circle)

@@ -1,5 +1,5 @@
 """Saving the fleet index while it changes: ``save`` copies the vectors in short chunks
-outside the store's lock, so an upsert or delete meanwhile must never publish a snapshot
+outside the table's lock, so an upsert or delete meanwhile must never publish a snapshot
 whose vectors belong to other drivers (or other versions of a driver) than its records."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from indexes import FleetVectorStore
-from indexes import store as store_module
+from indexes import FleetTable
+from indexes import table as table_module
 from tests.test_index import DIM, driver
 
 
@@ -26,12 +26,12 @@ def versioned(i: int, version: int) -> tuple[list, np.ndarray]:
     return [driver(i, capacity=float(version))], version_vector(i, version)[None, :]
 
 
-def assert_records_match_vectors(store: FleetVectorStore) -> None:
-    for driver_id in store.driver_ids():
-        rec = store.get_driver(driver_id)
+def assert_records_match_vectors(table: FleetTable) -> None:
+    for driver_id in table.driver_ids():
+        rec = table.get_driver(driver_id)
         assert rec is not None
         expected = version_vector(int(driver_id[1:]), int(rec.vehicle.capacity_kg))
-        np.testing.assert_array_equal(store.get_vector(driver_id), expected, err_msg=driver_id)
+        np.testing.assert_array_equal(table.get_vector(driver_id), expected, err_msg=driver_id)
 
 
 @pytest.mark.parametrize("chunk", [1, 7])
@@ -40,10 +40,10 @@ def test_a_save_while_vectors_change_publishes_a_consistent_snapshot(
 ) -> None:
     # Tiny chunks: the writer below gets in between them, so copies restart (and, after
     # enough restarts, finish holding the lock).
-    monkeypatch.setattr(store_module, "_SAVE_CHUNK", chunk)
-    store = FleetVectorStore(DIM)
+    monkeypatch.setattr(table_module, "_SAVE_CHUNK", chunk)
+    table = FleetTable(DIM)
     for i in range(120):
-        store.upsert_drivers(*versioned(i, 0))
+        table.upsert_drivers(*versioned(i, 0))
     errors: list[BaseException] = []
     stop = threading.Event()
 
@@ -52,8 +52,8 @@ def test_a_save_while_vectors_change_publishes_a_consistent_snapshot(
             version = 1
             while not stop.is_set():
                 i = version % 150
-                store.upsert_drivers(*versioned(i, version))  # replace, or insert 120..149
-                store.delete_driver(f"D{(version * 7) % 150:03d}")  # swap-remove moves a row
+                table.upsert_drivers(*versioned(i, version))  # replace, or insert 120..149
+                table.delete_driver(f"D{(version * 7) % 150:03d}")  # swap-remove moves a row
                 version += 1
         except BaseException as exc:  # pragma: no cover - reported below
             errors.append(exc)
@@ -64,14 +64,14 @@ def test_a_save_while_vectors_change_publishes_a_consistent_snapshot(
     thread.start()
     try:
         for _ in range(6):
-            store.save(tmp_path)
-            assert_records_match_vectors(FleetVectorStore.load(tmp_path, DIM))
+            table.save(tmp_path)
+            assert_records_match_vectors(FleetTable.load(tmp_path, DIM))
     finally:
         stop.set()
         thread.join()
         sys.setswitchinterval(interval)
     assert not errors
-    store.save(tmp_path)
-    loaded = FleetVectorStore.load(tmp_path, DIM)
-    assert sorted(loaded.driver_ids()) == sorted(store.driver_ids())
+    table.save(tmp_path)
+    loaded = FleetTable.load(tmp_path, DIM)
+    assert sorted(loaded.driver_ids()) == sorted(table.driver_ids())
     assert_records_match_vectors(loaded)
