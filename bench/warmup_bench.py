@@ -8,7 +8,7 @@
    features (records) per second, median and slowest of ``--runs`` runs:
    - raw engine: ``engine.embed`` of their ``driver_text`` in chunks of max_batch_size
      (tokenize + forward, what the batcher does per batch);
-   - warm-up, all misses: ``proxy.warmup.run_warmup`` through ``open_services`` on a fresh
+   - warm-up, all misses: ``proxy.warmup.run_warmup`` through ``open_local_services`` on a fresh
      LMDB data dir, the file written by ``features.readers.write_records`` (what
      ``fleetcache warmup FILE`` runs, without the progress bar); then a second pass over
      the same file (all hits, memory tier empty as in a new process);
@@ -60,7 +60,8 @@ from features.readers import iter_rows, write_records  # noqa: E402
 from features.synthetic import generate_fleet, iter_fleet  # noqa: E402
 from features.text import driver_text  # noqa: E402
 from indexes.table import FleetTable  # noqa: E402
-from proxy.services import build_store, engine_options, open_services  # noqa: E402
+from proxy.engine_host import engine_options  # noqa: E402
+from proxy.services import build_tiers, open_local_services  # noqa: E402
 from proxy.settings import Settings  # noqa: E402
 from proxy.warmup import LocalSink, WarmupProgress, checkpoint_for, run_warmup  # noqa: E402
 
@@ -111,7 +112,7 @@ def engine_rates(engine: Engine, texts: list[str], batch: int) -> dict[str, floa
 async def warmup_pass(settings: Settings, path: Path, chunk_size: int) -> dict[str, float]:
     """One ``fleetcache warmup FILE`` on ``settings``' data dir, timed from the first row."""
     started = time.perf_counter()
-    async with open_services(settings) as services:
+    async with open_local_services(settings) as services:
         opened = time.perf_counter()
         progress = WarmupProgress(source=str(path))
         await run_warmup(
@@ -122,7 +123,7 @@ async def warmup_pass(settings: Settings, path: Path, chunk_size: int) -> dict[s
             checkpoint=checkpoint_for(settings.data_dir, path),
         )
         elapsed = time.perf_counter() - opened
-        stats = services.batcher.stats()
+        stats = services.engine.batcher.stats()  # type: ignore[attr-defined]
     assert progress.state == "done" and progress.rejected == 0, progress
     engine_s = stats.per_item_ms * stats.items / 1000
     return {
@@ -151,7 +152,7 @@ async def stage_costs(
     us["read + validate (iter_rows)"] = 1e6 / per_second(n, lambda: sum(1 for _ in iter_rows(path)))
     texts: list[str] = []
     us["driver_text"] = 1e6 / per_second(n, lambda: texts.extend(map(driver_text, records)))
-    embedder = CachedEmbedder(compute, build_store(settings), namespace="bench", dim=dim)
+    embedder = CachedEmbedder(compute, build_tiers(settings), namespace="bench", dim=dim)
     started = time.perf_counter()
     for part in chunked(texts, chunk):
         await embedder.aembed(part, caller="warmup")
@@ -231,7 +232,7 @@ def throughput(args: argparse.Namespace, tmp: Path) -> float:
 
     say(
         f"warm-up, all misses: engine busy {each('engine_busy', '.0%')} of the job; mean batch "
-        f"{each('mean_batch', '.1f')}; open_services {each('open_s', '.1f')} s, close "
+        f"{each('mean_batch', '.1f')}; open_local_services {each('open_s', '.1f')} s, close "
         f"(snapshot) {each('close_s', '.2f')} s (not in the rate)"
     )
 

@@ -7,7 +7,8 @@ entity -> key links (links.py) and namespace pruning (prune.py).
 """
 
 from cache.codec import CorruptEntryError, ExpiredEntryError
-from cache.embedder import CachedEmbedder, ComputeFn, EmbedResult, InvalidTextError
+from cache.embedder import CachedEmbedder, EmbedResult, InvalidTextError
+from cache.flight import ComputeFn, Flight, Flown, SingleFlight
 from cache.links import Entity, EntityLinks
 from cache.stores import (
     CacheStore,
@@ -27,10 +28,13 @@ __all__ = [
     "Entity",
     "EntityLinks",
     "ExpiredEntryError",
+    "Flight",
+    "Flown",
     "InvalidTextError",
     "LmdbByteStore",
     "MemoryByteStore",
     "RedisByteStore",
+    "SingleFlight",
     "TieredByteStore",
     "build_store",
 ]

@@ -1,21 +1,28 @@
-"""CachedEmbedder: LangChain's CacheBackedEmbeddings over a tiered ByteStore, plus
-single-flight and exact per-call counting.
+"""CachedEmbedder: LangChain's CacheBackedEmbeddings over a tiered ByteStore, with exact
+per-call counting; its misses go to a single-flight (cache.flight).
 
 Path of one call (``aembed``)::
 
     texts --key--> "{namespace}:{blake2b-256(text)}"        (namespace = engine fingerprint)
       CacheBackedEmbeddings.aembed_documents
-        _VectorStore.amget     (EncoderBackedStore + binary codec; corrupt entry -> miss)
-        _SingleFlight.aembed_documents(the store misses only)
-            text already in flight (another request, or earlier in this batch) -> coalesced
-            otherwise -> miss; all new misses -> ONE compute(texts, lane) call
-        _VectorStore.amset     (write-back of the call's own misses: store tier, then memory;
-                                each with its text's expiry when the call gave it a TTL)
+        _VectorStore.amget     (EncoderBackedStore + binary codec; corrupt entry -> miss;
+                                the hits are counted here)
+        _Misses.aembed_documents(the store misses only) -> flight.embed
+            SingleFlight (this process) or the engine process (one map for all workers):
+            text already in flight -> coalesced, otherwise -> miss; the flight writes the
+            computed rows back before it lets go of them
+        _VectorStore.amset     (the rows also land in this process's memory tier when the
+                                flight wrote only the shared tier)
     aembed_entities: the same, then EntityLinks.relink (links.py) for the records' ids
 
-Counts of one call travel in a ``ContextVar`` (CacheBackedEmbeddings awaits the store and
-the underlying embedder directly, so the context is the call's own), which keeps them exact
-under any concurrency.
+``CachedEmbedder(compute, store)`` over a plain compute function builds its own
+``SingleFlight`` (which writes back to ``store``, both tiers) and counts everything itself.
+``CachedEmbedder(flight, store)`` over a ``Flight`` (the engine process's client) counts only
+its hits: coalesced and misses are counted where the flight decides them.
+
+The state of one call travels in a ``ContextVar`` (CacheBackedEmbeddings awaits the store and
+the underlying embedder directly, so the context is the call's own), which keeps the counts
+exact under any concurrency.
 
 Expiry: ``ttl_s`` writes version-2 codec entries carrying ``wall_clock() + ttl``; a read at
 or after that time is a miss (counted in ``expired_entries``, not as a store error) and the
@@ -24,9 +31,7 @@ TTL (a coalesced caller's TTL does not apply). Redis also expires such keys itse
 
 Failure rules: a store that raises is absorbed (logged, counted in ``store_errors``); a
 compute error reaches every waiter of the texts of that compute call, coalesced ones
-included, nothing is written back, and the next request computes again. A computation runs
-in its own task: when the request that started it is cancelled, the requests coalesced on
-it still get their vectors and the result is still written back.
+included, nothing is written back, and the next request computes again (cache.flight).
 
 Deliberate departure from the ``Embeddings`` types: rows travel through
 CacheBackedEmbeddings as read-only float32 ``np.ndarray`` views, not ``list[float]``, so a
@@ -36,10 +41,8 @@ them into one ``(n, dim)`` array.
 
 from __future__ import annotations
 
-import asyncio
-import hashlib
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
@@ -52,17 +55,14 @@ from langchain_core.embeddings import Embeddings
 from langchain_core.stores import BaseStore, ByteStore
 
 from cache import codec
+from cache.flight import ComputeFn, Flight, SingleFlight
 from cache.links import Entity, EntityLinks
 from cache.stats import CacheStats
 from cache.stores import CacheStore, ErrorLog, MemoryByteStore, TieredByteStore, log
-from engines.base import EngineError
+from cache.writer import VectorWriter
 
 Vectors = npt.NDArray[np.float32]
 Row = npt.NDArray[np.float32]
-ComputeFn = Callable[[Sequence[str], str], Awaitable[Vectors]]
-"""``async compute(texts, lane) -> (len(texts), dim) float32``; production: Batcher.submit."""
-Ttls = Mapping[str, float]  # text -> seconds, for the texts written with a TTL
-WriteBackFn = Callable[[Sequence[tuple[str, Row]], Ttls], Awaitable[None]]
 TtlArg = float | Sequence[float | None] | None
 
 Status = Literal["hit", "coalesced", "miss"]
@@ -112,48 +112,23 @@ class EmbedResult:
 @dataclass(slots=True)
 class _Call:
     lane: str
-    missing: list[int] = field(default_factory=list)  # input indices the store lacked
-    statuses: list[Status] = field(default_factory=list)  # per text sent to _SingleFlight
-    owned: list[_Flight] = field(default_factory=list)  # the computations this call started
+    caller: str
     ttl_s: dict[str, float] = field(default_factory=dict)  # texts written with a TTL
     keys: dict[str, str] = field(default_factory=dict)  # text -> store key, hashed once
+    looked_up_at: float | None = None  # when its store lookup began (time.monotonic)
+    missing: list[int] = field(default_factory=list)  # input indices the store lacked
+    statuses: list[Status] = field(default_factory=list)  # per text sent to the flight
 
 
 _CALL: ContextVar[_Call | None] = ContextVar("fleetcache_cache_call", default=None)
 
 
-class _Flight:
-    """One compute call: its texts and ONE future for all their rows (not one per text:
-    at warm-up sizes, a future and its callbacks per text cost more than the cache)."""
+class _Misses(Embeddings):
+    """CacheBackedEmbeddings' ``underlying`` embedder: receives exactly the store misses of
+    a call and hands them to the flight (``SingleFlight`` or the engine process)."""
 
-    __slots__ = ("future", "texts")
-
-    def __init__(self, texts: list[str], future: asyncio.Future[Vectors]) -> None:
-        self.texts = texts
-        self.future = future
-        future.add_done_callback(_retrieve)
-
-    def rows(self) -> list[tuple[str, Row]]:
-        """``(text, row)`` of a successful computation."""
-        return list(zip(self.texts, self.future.result(), strict=True))
-
-
-def _retrieve(fut: asyncio.Future[Vectors]) -> None:
-    # Mark the exception as retrieved: every waiter already re-raises it, and a future
-    # whose waiters all left must not log "exception was never retrieved".
-    if not fut.cancelled():
-        fut.exception()
-
-
-class _SingleFlight(Embeddings):
-    """The ``underlying`` embedder: receives exactly the store misses of a call."""
-
-    def __init__(self, compute: ComputeFn, dim: int, write_back: WriteBackFn) -> None:
-        self._compute = compute
-        self._dim = dim
-        self._write_back = write_back
-        self._inflight: dict[str, tuple[_Flight, int]] = {}  # text -> (flight, its row)
-        self._tasks: set[asyncio.Task[None]] = set()
+    def __init__(self, flight: Flight) -> None:
+        self._flight = flight
 
     def embed_documents(self, texts: list[str]) -> list[list[float]]:
         raise NotImplementedError("the cache is async-only; use aembed_documents")
@@ -162,140 +137,41 @@ class _SingleFlight(Embeddings):
         raise NotImplementedError("the cache is async-only; use aembed")
 
     async def aembed_documents(self, texts: list[str]) -> list[list[float]]:
-        outer = _CALL.get()
-        call = outer if outer is not None else _Call(lane="dispatch")
-        loop = asyncio.get_running_loop()
-        inflight = self._inflight
-        flight: _Flight | None = None  # this call's own computation, if it needs one
-        waits: list[tuple[_Flight, int]] = []
-        statuses = call.statuses
-        for text in texts:
-            entry = inflight.get(text)
-            if entry is None:
-                if flight is None:
-                    flight = _Flight([], loop.create_future())
-                entry = inflight[text] = (flight, len(flight.texts))
-                flight.texts.append(text)
-                statuses.append("miss")
-            else:
-                statuses.append("coalesced")
-            waits.append(entry)
-        if flight is not None:
-            call.owned.append(flight)
-            # Its own task: if this request is cancelled, the requests coalesced on these
-            # texts still get their vectors.
-            task = loop.create_task(self._run(flight, call.lane))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-        try:
-            # asyncio.wait, not ``await fut``: cancelling this waiter must not cancel the
-            # futures other requests share.
-            pending = {f.future for f, _ in waits if not f.future.done()}
-            if pending:
-                await asyncio.wait(pending)
-            rows = [f.future.result()[i] for f, i in waits]
-        finally:
-            if outer is None:  # used outside aembed: CacheBackedEmbeddings writes them back
-                self.release(call, written=True)
-        return cast("list[list[float]]", rows)
-
-    async def _run(self, flight: _Flight, lane: str) -> None:
-        texts, fut = flight.texts, flight.future
-        try:
-            # A copy, read-only: these rows are shared by every request coalesced on them.
-            rows = np.array(await self._compute(texts, lane), dtype=np.float32)
-            if rows.shape != (len(texts), self._dim):
-                raise EngineError(
-                    f"compute returned shape {rows.shape} for {len(texts)} texts, "
-                    f"expected ({len(texts)}, {self._dim})"
-                )
-            rows.flags.writeable = False
-        except BaseException as exc:
-            err = (
-                exc if isinstance(exc, Exception) else EngineError(f"computation aborted: {exc!r}")
-            )
-            if not fut.done():
-                fut.set_exception(err)
-            self._forget(flight)
-            if err is not exc:
-                raise
-            return
-        if not fut.done():
-            fut.set_result(rows)
-
-    def _forget(self, flight: _Flight) -> None:
-        inflight = self._inflight
-        for text in flight.texts:
-            entry = inflight.get(text)
-            if entry is not None and entry[0] is flight:
-                del inflight[text]
-
-    def release(self, call: _Call, *, written: bool) -> None:
-        """Drop a call's in-flight entries once they are written back.
-
-        Keeping them until after the write-back closes the window in which a new request
-        would miss both the store and the in-flight map and compute the text again. When
-        the owner did not get to write (cancelled, or failed), a task adopts its entries:
-        it waits for the computation, writes back what succeeded, then drops them.
-        """
-        orphans = []
-        for flight in call.owned:
-            if written and flight.future.done():
-                self._forget(flight)
-            else:
-                orphans.append(flight)
-        if orphans:
-            task = asyncio.get_running_loop().create_task(self._adopt(orphans, call.ttl_s))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    async def _adopt(self, orphans: list[_Flight], ttl_s: Ttls) -> None:
-        """Write back what the owner could not (coalesced waiters never write)."""
-        try:
-            await asyncio.wait([flight.future for flight in orphans])
-            computed = [
-                pair
-                for flight in orphans
-                if flight.future.exception() is None
-                for pair in flight.rows()
-            ]
-            if computed:
-                await self._write_back(computed, ttl_s)
-        finally:
-            for flight in orphans:
-                self._forget(flight)
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._inflight)
-
-    async def drain(self, grace_s: float) -> None:
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=grace_s)
+        call = _CALL.get() or _Call(lane="dispatch", caller="dispatch")
+        flight = self._flight
+        flown = await flight.embed(
+            texts, lane=call.lane, caller=call.caller, ttl_s=call.ttl_s, since=call.looked_up_at
+        )
+        call.statuses += ["coalesced" if c else "miss" for c in flown.coalesced]
+        return cast("list[list[float]]", list(flown.rows))
 
 
 class _VectorStore(EncoderBackedStore[str, Any]):
-    """EncoderBackedStore that records the call's misses and absorbs store failures.
+    """EncoderBackedStore that counts a call's hits, absorbs store failures, and writes back
+    only where the flight did not already.
 
-    CacheBackedEmbeddings writes back every text it sent to the underlying embedder; this
-    store keeps only the texts the call computed itself (its ``owned`` misses, once each):
-    a coalesced text is written by the call that computed it.
+    The flight writes computed rows back before it lets go of them (``SingleFlight``: to
+    ``store`` itself; the engine process: to the shared tier). CacheBackedEmbeddings then
+    writes back every text it sent to the underlying embedder: that lands in ``write_to``
+    (the worker's own memory tier, or None when the flight already wrote everything).
     """
 
     def __init__(
         self,
         store: ByteStore,
-        key_encoder: Callable[[str], str],
-        serializer: Callable[[Sequence[Row], Sequence[float | None]], list[bytes]],
+        writer: VectorWriter,
         deserializer: Callable[[bytes], Row | None],
         errors: ErrorLog,
-        wall_clock: Callable[[], float],
+        stats: CacheStats,
+        per_item_ms: Callable[[], float],
+        write_to: VectorWriter | None,
         on_lookup: Callable[[float], None] | None = None,
     ) -> None:
-        super().__init__(store, key_encoder, lambda row: serializer([row], [None])[0], deserializer)
-        self._serialize_many = serializer  # rows and their expiry times -> entries
+        super().__init__(store, writer.key, writer.encode_one, deserializer)
         self._errors = errors
-        self._wall_clock = wall_clock
+        self._stats = stats
+        self._per_item_ms = per_item_ms
+        self._write_to = write_to
         self._on_lookup = on_lookup
 
     async def amget(self, keys: Sequence[str]) -> list[Any]:
@@ -303,6 +179,7 @@ class _VectorStore(EncoderBackedStore[str, Any]):
         encoded = [self.key_encoder(text) for text in keys]
         if call is not None:  # each text is hashed once per call: write-back and links reuse it
             call.keys = dict(zip(keys, encoded, strict=True))
+            call.looked_up_at = time.monotonic()
         started = time.perf_counter()
         try:
             raw = await self.store.amget(encoded)
@@ -314,38 +191,16 @@ class _VectorStore(EncoderBackedStore[str, Any]):
             self._on_lookup(time.perf_counter() - started)
         if call is not None:
             call.missing = [i for i, v in enumerate(values) if v is None]
+            hits = len(keys) - len(call.missing)
+            if hits:  # counted at the lookup: a call that fails later still found these
+                self._stats.record(call.caller, hits, 0, 0, self._per_item_ms())
         return values
 
     async def amset(self, key_value_pairs: Sequence[tuple[str, Any]]) -> None:
-        call = _CALL.get()
-        if call is None:
-            await self.write(key_value_pairs, {})
-        else:
-            owned = {text for flight in call.owned for text in flight.texts}
-            pairs = [(t, row) for t, row in key_value_pairs if t in owned]
-            await self.write(pairs, call.ttl_s, call.keys)
-
-    async def write(
-        self,
-        key_value_pairs: Sequence[tuple[str, Any]],
-        ttl_s: Ttls,
-        keys: Mapping[str, str] | None = None,
-    ) -> None:
-        unique = dict(key_value_pairs)
-        if not unique:
-            return
-        now = self._wall_clock()
-        texts = list(unique)
-        expiry = [None if (ttl := ttl_s.get(t)) is None else now + ttl for t in texts]
-        values = self._serialize_many(list(unique.values()), expiry)
-        known = keys or {}
-        encoded = [
-            (known.get(t) or self.key_encoder(t), v) for t, v in zip(texts, values, strict=True)
-        ]
-        try:
-            await self.store.amset(encoded)
-        except Exception as exc:
-            self._errors.record("mset", exc)
+        if self._write_to is not None:
+            call = _CALL.get()
+            ttl_s, keys = (call.ttl_s, call.keys) if call is not None else ({}, None)
+            await self._write_to.write(key_value_pairs, ttl_s, keys)
 
 
 def _ttl_map(texts: Sequence[str], ttl_s: TtlArg) -> dict[str, float]:
@@ -423,7 +278,7 @@ class CachedEmbedder(_AsyncEmbeddings):
 
     def __init__(
         self,
-        compute: ComputeFn,
+        compute: ComputeFn | Flight,
         store: ByteStore,
         *,
         namespace: str,
@@ -433,39 +288,59 @@ class CachedEmbedder(_AsyncEmbeddings):
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         on_lookup: Callable[[float], None] | None = None,
+        stats: CacheStats | None = None,
     ) -> None:
-        if not namespace or len(namespace) > 200 or any(c.isspace() for c in namespace):
-            raise ValueError(f"namespace must be 1..200 non-blank characters: {namespace!r}")
         if dim <= 0:
             raise ValueError(f"dim must be positive, got {dim}")
-        codec.encode(np.zeros(1, np.float32), dtype)  # fail fast on an unknown dtype
+        self._errors = ErrorLog(f"cache namespace {namespace}")
+        self._writer = VectorWriter(
+            store, namespace=namespace, dtype=dtype, errors=self._errors, wall_clock=wall_clock
+        )
         self.namespace = namespace
         self.dim = dim
         self.dtype: codec.Dtype = dtype
         self._store = store
         self._per_item_ms = per_item_ms
-        self._stats = CacheStats(clock)
-        self._errors = ErrorLog(f"cache namespace {namespace}")
+        self._stats = stats or CacheStats(clock)
         self._corrupt = 0
         self._expired = 0
         self._wall_clock = wall_clock
         self.links = EntityLinks(store, namespace, self._errors)
+        write_to = None
+        if isinstance(compute, Flight):  # it writes the shared tier; this process's own after
+            self._flight: Flight = compute
+            self._local: SingleFlight | None = None
+            own = store.memory if isinstance(store, TieredByteStore) else store
+            write_to = VectorWriter(
+                own, namespace=namespace, dtype=dtype, errors=self._errors, wall_clock=wall_clock
+            )
+        else:
+            self._local = SingleFlight(
+                compute,
+                dim,
+                write_back=self._writer.write,
+                stats=self._stats,
+                per_item_ms=per_item_ms,
+            )
+            self._flight = self._local
         vectors = _VectorStore(
-            store, self.key, self._encode, self._decode, self._errors, wall_clock, on_lookup
+            store,
+            self._writer,
+            self._decode,
+            self._errors,
+            self._stats,
+            per_item_ms,
+            write_to,
+            on_lookup,
         )
-        self._flight = _SingleFlight(compute, dim, vectors.write)
         # batch_size=None: all misses of a call in one underlying call, one write-back.
         self._cbe = CacheBackedEmbeddings(
-            self._flight, cast("BaseStore[str, list[float]]", vectors), batch_size=None
+            _Misses(self._flight), cast("BaseStore[str, list[float]]", vectors), batch_size=None
         )
 
     def key(self, text: str) -> str:
         """The store key of ``text`` in this namespace."""
-        digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=32)
-        return f"{self.namespace}:{digest.hexdigest()}"
-
-    def _encode(self, rows: Sequence[Row], expires_at: Sequence[float | None]) -> list[bytes]:
-        return codec.encode_many(rows, self.dtype, expires_at=expires_at)
+        return self._writer.key(text)
 
     def _decode(self, data: bytes) -> Row | None:
         try:
@@ -502,29 +377,24 @@ class CachedEmbedder(_AsyncEmbeddings):
         """``aembed``, and the call's bookkeeping (its texts' keys)."""
         n = len(texts)
         check_texts(texts)
-        call = _Call(lane=lane or ("warmup" if caller == "warmup" else "dispatch"))
+        call = _Call(lane=lane or ("warmup" if caller == "warmup" else "dispatch"), caller=caller)
         if n == 0:
             return EmbedResult(np.empty((0, self.dim), np.float32), 0, 0, 0, ()), call
         call.ttl_s = _ttl_map(texts, ttl_s)
         token = _CALL.set(call)
-        written = False
         try:
             rows = await self._cbe.aembed_documents(list(texts))
-            written = True
         except BaseException:
             self._stats.record_failure()
             raise
         finally:
             _CALL.reset(token)
-            self._flight.release(call, written=written)
         statuses: list[Status] = ["hit"] * n
         for i, status in zip(call.missing, call.statuses, strict=True):
             statuses[i] = status
         coalesced = call.statuses.count("coalesced")
         misses = len(call.statuses) - coalesced
         hits = n - len(call.statuses)
-        avoided_ms = self._per_item_ms() if hits + coalesced else 0.0
-        self._stats.record(caller, hits, coalesced, misses, avoided_ms)
         # Every row is 1-d of length dim (decode and _run check it); concatenate is ~5x
         # faster than np.stack for 1,000 rows.
         vectors = np.concatenate(cast("list[Row]", rows)).reshape(n, self.dim)
@@ -608,7 +478,7 @@ class CachedEmbedder(_AsyncEmbeddings):
             "corrupt_entries": self._corrupt,
             "expired_entries": self._expired,
             "failed_calls": self._stats.failed_calls,
-            "in_flight": self._flight.in_flight,
+            "in_flight": 0 if self._local is None else self._local.in_flight,
         }
 
     def savings(self) -> dict[str, Any]:
@@ -618,10 +488,24 @@ class CachedEmbedder(_AsyncEmbeddings):
     def by_caller(self) -> dict[str, dict[str, int]]:
         return self._stats.by_caller()
 
+    @property
+    def dispatch_lookups(self) -> int:
+        """Lookups by every caller but ``warmup`` so far (a warm-up job paces itself by it)."""
+        return self._stats.dispatch_lookups
+
+    @property
+    def corrupt_entries(self) -> int:
+        return self._corrupt
+
+    @property
+    def expired_entries(self) -> int:
+        return self._expired
+
     async def aclose(self, grace_s: float = 5.0) -> None:
         """Let in-flight computations finish and write back (up to ``grace_s`` seconds),
         then close the stores (the LMDB environment)."""
-        await self._flight.drain(grace_s)
+        if self._local is not None:
+            await self._local.drain(grace_s)
         if isinstance(self._store, CacheStore):
             await self._store.aclose()
         log.debug("cache namespace %s closed", self.namespace)

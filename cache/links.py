@@ -8,7 +8,8 @@ embed of entity records) drops an entity's previous vector when its text changed
 
 Entities with identical features render identical texts and so share one vector: dropping it
 for one of them only costs the others one recomputation. Another replica's memory tier keeps
-a dropped vector until it is evicted (there is no cross-replica invalidation).
+a dropped vector until it is evicted (there is no cross-replica invalidation; the workers of
+one server are all told, see ``drop``).
 """
 
 from __future__ import annotations
@@ -83,6 +84,12 @@ class EntityLinks:
         Unlike ``relink`` this raises the store's errors: the caller must know the vector
         is really gone.
         """
+        dropped = await self.drop(kind, entity_id)
+        return None if dropped is None else dropped[0]
+
+    async def drop(self, kind: str, entity_id: str) -> tuple[int, list[str]] | None:
+        """``forget``, also returning every key it deleted (the vectors' and the link's), so
+        that other processes' memory tiers can be told to drop them too."""
         link = self.key(kind, entity_id)
         tiers = self._tiers()
         targets: set[str] = set()
@@ -98,7 +105,7 @@ class EntityLinks:
             found = [v is not None for v in await tier.amget(keys)]
             present = [p or f for p, f in zip(present, found, strict=True)]
             await tier.amdelete([*keys, link])
-        return sum(present)
+        return sum(present), [*keys, link]
 
     def _tiers(self) -> list[ByteStore]:
         """The stores to read and delete in directly, so that their errors reach us."""

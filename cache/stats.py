@@ -66,6 +66,7 @@ class CacheStats:
         self.misses = 0
         self.failed_calls = 0
         self.ms_saved = 0.0
+        self.dispatch_lookups = 0  # lookups by every caller but warm-up (its pacing reads it)
         self._callers: dict[str, list[int]] = {}  # caller -> [hits, coalesced, misses]
         self._windows = _Windows(max(self.WINDOWS.values()))
 
@@ -84,6 +85,8 @@ class CacheStats:
             c[0] += hits
             c[1] += coalesced
             c[2] += misses
+            if caller != "warmup":
+                self.dispatch_lookups += hits + coalesced + misses
             self._windows.add(now, hits + coalesced, misses)
 
     def record_failure(self) -> None:

@@ -53,6 +53,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -87,6 +88,8 @@ class InferenceStats:
     expired_items: int  # dropped because their deadline passed before the engine saw them
     queue_wait_p50_ms: float  # submit -> batch handed to the engine, last ``window`` slices
     queue_wait_p99_ms: float
+    ok_items: int  # texts of successful batches
+    engine_ms: float  # engine time of successful batches (per_item_ms = engine_ms / ok_items)
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,7 @@ class EngineHealth:
 
 
 QueueWaitObserver = Callable[[str, float], None]  # (lane, seconds), once per request slice
+SentObserver = Callable[[str, int], None]  # (the submission's tag, texts handed to the engine)
 
 
 class _Request:
@@ -112,6 +116,7 @@ class _Request:
         "rows",
         "sent",
         "submitted",
+        "tag",
         "taken",
         "texts",
     )
@@ -123,9 +128,11 @@ class _Request:
         dim: int,
         lane: str,
         deadline: float | None,
+        tag: str,
     ) -> None:
         self.texts = texts
         self.lane = lane
+        self.tag = tag
         self.future = future
         self.deadline = deadline  # time.monotonic() after which queued items are dropped
         self.submitted = time.monotonic()
@@ -148,8 +155,10 @@ class Batcher:
     Use from one event loop: ``async with Batcher(engine) as batcher: await
     batcher.submit(texts)``. The engine must already be loaded and warmed; the batcher only
     runs it. ``max_batch_tokens`` (None: no budget) bounds each forward's size x padded
-    sequence length. ``on_queue_wait`` (settable later) is called on the event loop with
-    ``(lane, seconds)`` for every request slice handed to the engine.
+    sequence length. Observers, called on the event loop: ``on_queue_wait(lane, seconds)`` for
+    every request slice handed to the engine; ``on_sent(tag, count)`` with the submission's
+    ``tag`` as its texts are handed to the engine thread (where ``items`` counts them);
+    ``on_batch_done()`` after every batch, failed or not (``stats()`` changed).
     """
 
     def __init__(
@@ -162,6 +171,8 @@ class Batcher:
         max_batch_tokens: int | None = None,
         window: int = 1024,
         on_queue_wait: QueueWaitObserver | None = None,
+        on_sent: SentObserver | None = None,
+        on_batch_done: Callable[[], None] | None = None,
     ) -> None:
         if max_batch_size < 1 or max_queue < 1 or window < 1 or max_delay_ms < 0:
             raise ValueError("max_batch_size, max_queue, window >= 1 and max_delay_ms >= 0")
@@ -173,6 +184,8 @@ class Batcher:
         self.max_queue = max_queue
         self.max_batch_tokens = max_batch_tokens
         self.on_queue_wait = on_queue_wait
+        self.on_sent = on_sent
+        self.on_batch_done = on_batch_done
         self._lanes: dict[str, deque[_Request]] = {lane: deque() for lane in LANES}
         self._queued = 0  # items waiting in the lanes (not yet in a batch, not dropped)
         self._lane_waiting = dict.fromkeys(LANES, 0)  # the same, per lane
@@ -268,16 +281,21 @@ class Batcher:
         return self._engine_ms / self._ok_items if self._ok_items else 0.0
 
     async def submit(
-        self, texts: Sequence[str], lane: str = "dispatch", deadline: float | None = None
+        self,
+        texts: Sequence[str],
+        lane: str = "dispatch",
+        deadline: float | None = None,
+        tag: str = "",
     ) -> Vectors:
         """The ``(len(texts), dim)`` float32 vectors of ``texts``, in input order.
 
         ``deadline`` is a ``time.monotonic()`` instant (None: wait as long as it takes; see
-        ``deadline_after``). Raises ``QueueFullError`` at once (nothing queued) when the
-        queue cannot take all of ``texts``; ``DeadlineExceededError`` when the deadline
-        passes before all of ``texts`` reached the engine; ``EngineUnavailableError`` at once
-        while the engine's health says nothing can serve; ``EngineError`` when the batch
-        failed or the batcher is closed or not started; ``ValueError`` for an unknown lane.
+        ``deadline_after``); ``tag`` is handed to ``on_sent`` (the caller, for counting).
+        Raises ``QueueFullError`` at once (nothing queued) when the queue cannot take all of
+        ``texts``; ``DeadlineExceededError`` when the deadline passes before all of
+        ``texts`` reached the engine; ``EngineUnavailableError`` at once while the engine's
+        health says nothing can serve; ``EngineError`` when the batch failed or the batcher
+        is closed or not started; ``ValueError`` for an unknown lane.
         """
         if lane not in self._lanes:
             raise ValueError(f"unknown lane {lane!r}; lanes: {', '.join(LANES)}")
@@ -296,7 +314,7 @@ class Batcher:
                 f"would exceed max_queue={self.max_queue}"
             )
         loop = asyncio.get_running_loop()
-        request = _Request(list(texts), loop.create_future(), self.engine.dim, lane, deadline)
+        request = _Request(list(texts), loop.create_future(), self.engine.dim, lane, deadline, tag)
         self._lanes[lane].append(request)
         self._queued += len(texts)
         self._lane_waiting[lane] += len(texts)
@@ -326,6 +344,8 @@ class Batcher:
             expired_items=self._expired_items,
             queue_wait_p50_ms=wait_p50,
             queue_wait_p99_ms=wait_p99,
+            ok_items=self._ok_items,
+            engine_ms=self._engine_ms,
         )
 
     # -- the worker (event loop) -----------------------------------------------------------
@@ -445,6 +465,7 @@ class Batcher:
         for request, start, stop in batch:
             request.sent += stop - start
             self._observe_wait(request.lane, now - request.submitted)
+            self._notify(self.on_sent, request.tag, stop - start)
         loop = asyncio.get_running_loop()
         try:
             vectors, durations = await loop.run_in_executor(
@@ -465,6 +486,7 @@ class Batcher:
             logger.warning("batch of %d texts failed: %s", len(texts), self._last_error)
             self._fail(self._in_flight, error)
             self._in_flight = []
+            self._notify(self.on_batch_done)
             return
         self._batches += len(durations) - 1  # one per forward when the token budget split it
         self._ok_items += len(texts)
@@ -480,6 +502,7 @@ class Batcher:
                     request.future.set_result(request.rows)
             offset += stop - start
         self._in_flight = []
+        self._notify(self.on_batch_done)
 
     def _embed(self, texts: list[str], tokens: Batch | None) -> tuple[Vectors, list[float]]:
         """Runs on the engine thread; tokenizes here unless the batch was tokenized ahead.
@@ -529,11 +552,15 @@ class Batcher:
 
     def _observe_wait(self, lane: str, seconds: float) -> None:
         self._wait_ms.append(seconds * 1000)
-        if self.on_queue_wait is not None:
+        self._notify(self.on_queue_wait, lane, seconds)
+
+    @staticmethod
+    def _notify(observer: Callable[..., None] | None, *args: Any) -> None:
+        if observer is not None:
             try:
-                self.on_queue_wait(lane, seconds)
+                observer(*args)
             except Exception:  # a metrics bug must not fail the batch
-                logger.exception("on_queue_wait observer failed")
+                logger.exception("batcher observer %r failed", observer)
 
     def _fail(self, requests: list[_Request], error: EngineError) -> None:
         for request in requests:

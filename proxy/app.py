@@ -1,9 +1,15 @@
 """The app factory. Nothing heavy happens at import or in ``create_app``.
 
-The lifespan starts the service in a background task so that ``/healthz`` answers at once
+The lifespan builds the services in a background task so that ``/healthz`` answers at once
 and ``/readyz`` says 503 until the engine is loaded and warmed and the fleet index is loaded
-(with the demo fleet, when one is configured). On shutdown the task leaves ``open_services``,
-which snapshots the index and closes everything in reverse order.
+(with the demo fleet, when one is configured). Two ways to run:
+
+- ``create_app(settings)`` (``engine`` may be injected: tests): everything in this process.
+- ``create_app(settings, cluster=...)``: one HTTP worker of ``fleetcache serve``; the engine
+  and the fleet index live in their own processes (``proxy.processes``).
+
+Every request but the probes passes the worker's admission (``Admission``): at most
+``max_inflight_requests`` at once, above that an immediate 429 with ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -12,43 +18,22 @@ import asyncio
 import contextlib
 import gc
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 
+import orjson
 from fastapi import FastAPI
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engines.base import Engine
-from features.synthetic import generate_fleet
 from proxy.errors import install_error_handlers
+from proxy.processes import load_demo_fleet
 from proxy.routes import cache, dispatch, embeddings, features, fleet, ops, warmup
-from proxy.services import Services, open_services
+from proxy.services import Cluster, Services, open_local_services, open_worker_services
 from proxy.settings import Settings
 from proxy.warmup import WarmupJobs
 
 log = logging.getLogger("fleetcache.proxy")
-DEMO_CHUNK = 250
-
-
-async def load_demo_fleet(services: Services, n: int, seed: int) -> None:
-    drivers = await asyncio.to_thread(generate_fleet, n, seed)
-    embedded = 0
-    for start in range(0, n, DEMO_CHUNK):
-        _, result = await services.upsert_drivers(drivers[start : start + DEMO_CHUNK], "warmup")
-        embedded += result.misses
-        log.info(
-            "demo fleet: %d/%d drivers indexed (%d embedded, rest cached)",
-            min(start + DEMO_CHUNK, n),
-            n,
-            embedded,
-        )
-
-
-async def snapshot_periodically(services: Services) -> None:
-    saved = services.index_revision
-    while True:
-        await asyncio.sleep(services.settings.snapshot_interval_s)
-        if services.index_revision != saved:
-            saved = services.index_revision
-            await asyncio.to_thread(services.snapshot)
+PROBES = frozenset({"/healthz", "/readyz", "/metrics"})
 
 
 @contextlib.contextmanager
@@ -71,28 +56,84 @@ def frozen_heap() -> Iterator[None]:
         gc.unfreeze()
 
 
+class Admission:
+    """Pure ASGI: at most ``limit`` requests of this worker at once (hits too), an immediate
+    429 with ``Retry-After`` above it instead of a queue that turns into seconds of p99. After
+    every request the worker's counters are published to its board."""
+
+    def __init__(self, app: ASGIApp, limit: int, fastapi: FastAPI) -> None:
+        self.app = app
+        self.limit = limit
+        self.fastapi = fastapi
+        self.active = 0
+        self._busy = orjson.dumps(
+            {
+                "error": {
+                    "type": "rate_limit_error",
+                    "message": f"this worker holds {limit} requests already; retry shortly",
+                    "param": None,
+                }
+            }
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in PROBES:
+            await self.app(scope, receive, send)
+            return
+        services: Services | None = self.fastapi.state.services
+        if self.active >= self.limit:
+            if services is not None:
+                services.board.add("requests.rejected")
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 429,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"retry-after", b"1"),
+                        (b"content-length", str(len(self._busy)).encode()),
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": self._busy})
+            return
+        self.active += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.active -= 1
+            if services is not None:
+                services.board.add("requests")
+                services.publish()
+
+
 async def run_services(
     app: FastAPI,
     settings: Settings,
     engine: Engine | None,
+    cluster: Cluster | None,
     stop: asyncio.Event,
     freeze_gc: bool = False,
 ) -> None:
+    def drop(keys: Sequence[str]) -> None:
+        services = app.state.services
+        if services is not None:
+            services.drop_keys(keys)
+
+    opened = (
+        open_local_services(settings, engine)
+        if cluster is None
+        else open_worker_services(settings, cluster, on_drop=drop)
+    )
     try:
-        async with open_services(settings, engine) as services:
+        async with opened as services:
             app.state.services = services
-            snapshots: asyncio.Task[None] | None = None
             try:
-                if settings.demo_drivers:
+                if cluster is None and not services.index.ready:
                     await load_demo_fleet(services, settings.demo_drivers, settings.demo_seed)
                 with frozen_heap() if freeze_gc else contextlib.nullcontext():
-                    services.index_ready = True
-                    log.info("ready: %d drivers in the fleet index", len(services.index))
-                    snapshots = asyncio.create_task(snapshot_periodically(services))
                     await stop.wait()
             finally:  # no request may reach services that are being closed
-                if snapshots is not None:
-                    snapshots.cancel()
                 app.state.services = None
     except Exception as exc:
         log.exception("start-up failed")
@@ -100,10 +141,15 @@ async def run_services(
 
 
 def create_app(
-    settings: Settings, engine: Engine | None = None, *, freeze_gc: bool = False
+    settings: Settings,
+    engine: Engine | None = None,
+    *,
+    freeze_gc: bool = False,
+    cluster: Cluster | None = None,
 ) -> FastAPI:
     """Build the app; ``engine`` injects a ready-made engine (tests use ``FakeEngine``);
-    ``freeze_gc`` freezes the heap once started (``frozen_heap``; the CLI's server does)."""
+    ``cluster`` makes it a worker of ``fleetcache serve``; ``freeze_gc`` freezes the heap once
+    started (``frozen_heap``; the CLI's server does)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -111,7 +157,7 @@ def create_app(
         app.state.startup_error = None
         app.state.jobs = WarmupJobs()
         stop = asyncio.Event()
-        task = asyncio.create_task(run_services(app, settings, engine, stop, freeze_gc))
+        task = asyncio.create_task(run_services(app, settings, engine, cluster, stop, freeze_gc))
         try:
             yield
         finally:
@@ -126,7 +172,9 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.settings = settings  # read by routes that must answer before services exist
+    app.state.services = None
     install_error_handlers(app)
     for module in (embeddings, features, fleet, dispatch, warmup, cache, ops):
         app.include_router(module.router)
+    app.add_middleware(Admission, limit=settings.max_inflight_requests, fastapi=app)
     return app

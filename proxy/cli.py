@@ -67,24 +67,39 @@ def setup_logging(level: str = "info") -> None:
 def serve(
     host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port to bind")] = 8000,
+    workers: Annotated[
+        str | None,
+        typer.Option(help="HTTP worker processes, or 'auto' (default: FLEETCACHE_WORKERS)"),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="debug | info | warning")] = "info",
 ) -> None:
-    """Run the proxy (settings from FLEETCACHE_* variables)."""
-    import uvicorn
-
-    from proxy.app import create_app
+    """Run the proxy: an engine process, the fleet index owner and N HTTP workers on one port
+    (settings from FLEETCACHE_* variables)."""
+    from proxy.supervisor import Supervisor, auto_workers
 
     settings = load_settings()
     setup_logging(log_level)
+    wanted = workers if workers is not None else settings.workers
+    try:
+        count = auto_workers() if wanted == "auto" else int(wanted)
+        if count < 1:
+            raise ValueError
+    except ValueError:
+        console.print(f"[red]--workers must be a positive number or 'auto', got {wanted!r}[/red]")
+        raise typer.Exit(2) from None
     base = f"http://{host}:{port}"
     console.print(
         f"fleetcache: engine={settings.engine} store={settings.store} "
-        f"data={settings.data_dir} demo drivers={settings.demo_drivers}\n"
+        f"data={settings.data_dir} demo drivers={settings.demo_drivers} workers={count}\n"
         f"  {base}/readyz turns 200 once the engine is warm and the fleet is loaded\n"
         f"  try: curl {base}/v1/stats | curl {base}/docs | fleetcache stats --url {base}"
     )
-    proxy = create_app(settings, freeze_gc=True)  # heap frozen once started: short GC pauses
-    uvicorn.run(proxy, host=host, port=port, log_level=log_level)
+    try:
+        code = Supervisor(settings, host=host, port=port, workers=count, log_level=log_level).run()
+    except OSError as exc:
+        console.print(f"[red]cannot serve on {host}:{port}:[/red] {exc.strerror or exc}")
+        raise typer.Exit(1) from None
+    raise typer.Exit(code)
 
 
 def count_rows(path: Path) -> int | None:
@@ -116,10 +131,10 @@ async def warmup_job(
         ) as client:
             return await run_warmup(path, RemoteSink(client), progress, **options)
     from proxy.app import frozen_heap
-    from proxy.services import open_services
+    from proxy.services import open_local_services
 
     assert settings is not None
-    async with open_services(settings) as services:
+    async with open_local_services(settings) as services:
         with frozen_heap():
             return await run_warmup(path, LocalSink(services), progress, **options)
 
@@ -320,9 +335,9 @@ def read_roster(path: Path) -> list[str]:
 
 
 async def coverage_direct(ids: list[str]) -> dict[str, Any]:
-    from proxy.services import open_services
+    from proxy.services import open_local_services
 
-    async with open_services(load_settings()) as services:
+    async with open_local_services(load_settings()) as services:
         return await coverage(services, ids)
 
 
@@ -354,7 +369,7 @@ def current_namespace(settings: Settings) -> str:
     """The cache namespace the server would use, from the engine's fingerprint: the engine
     is built (its model files hashed) but never loaded."""
     from engines.registry import create_engine
-    from proxy.services import cache_namespace, engine_options
+    from proxy.engine_host import cache_namespace, engine_options
 
     return cache_namespace(create_engine(settings.engine, **engine_options(settings)).info)
 
@@ -384,7 +399,7 @@ def cache_prune(
 ) -> None:
     """Remove cache entries (and entity links) of every engine fingerprint but the current
     one, and expired entries, from the store of FLEETCACHE_STORE (LMDB data dir or Redis)."""
-    from proxy.services import build_store
+    from proxy.services import build_tiers
 
     settings = load_settings()
     if settings.store == "memory":
@@ -395,7 +410,7 @@ def cache_prune(
         return
     try:
         namespace = current_namespace(settings)
-        tiered = build_store(settings)
+        tiered = build_tiers(settings)
     except Exception as exc:  # an engine that cannot be built here, a store that cannot open
         console.print(f"[red]cache prune could not run:[/red] {exc}")
         raise typer.Exit(1) from None

@@ -12,7 +12,11 @@ Exceptions translated here, one handler per family::
     features UnknownConstraintError 422, param "constraints", lists the known ones
     engines QueueFullError          429 (retry later)
     engines DeadlineExceededError   503 "deadline_exceeded" (queued past its deadline; retry)
-    engines EngineError             503 (the engine failed; hits are still served)
+    proxy.ipc ServiceUnavailableError  503 "<service>_unavailable" + Retry-After: the engine
+                                    process or the fleet index owner is down (or restarting)
+    engines EngineUnavailableError  503 "engine_unavailable" + Retry-After: nothing can serve
+                                    a miss now (primary unhealthy, no fallback)
+    engines EngineError             503 "engine_error" (a batch failed; hits are still served)
     cache InvalidTextError          422 (a text that is not valid Unicode; the edge refuses
                                     such bodies first, this guards every other way in)
     Exception                       500 "internal_error", logged with its traceback
@@ -30,9 +34,15 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cache.embedder import InvalidTextError
-from engines.base import DeadlineExceededError, EngineError, QueueFullError
+from engines.base import (
+    DeadlineExceededError,
+    EngineError,
+    EngineUnavailableError,
+    QueueFullError,
+)
 from features.constraints import UnknownConstraintError
 from proxy.body import BodyError
+from proxy.ipc import ServiceUnavailableError
 
 log = logging.getLogger("fleetcache.proxy")
 
@@ -125,6 +135,16 @@ def _deadline(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
+def _unavailable(request: Request, exc: Exception) -> JSONResponse:
+    service = exc.service if isinstance(exc, ServiceUnavailableError) else "engine"
+    return error_response(
+        503,
+        f"{service} unavailable, retry shortly: {exc}",
+        type=f"{service}_unavailable",
+        headers={"Retry-After": "1"},
+    )
+
+
 def _engine(request: Request, exc: Exception) -> JSONResponse:
     return error_response(503, f"inference engine unavailable: {exc}", type="engine_error")
 
@@ -145,6 +165,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(UnknownConstraintError, _constraint)
     app.add_exception_handler(QueueFullError, _queue_full)
     app.add_exception_handler(DeadlineExceededError, _deadline)
+    app.add_exception_handler(EngineUnavailableError, _unavailable)
     app.add_exception_handler(EngineError, _engine)
     app.add_exception_handler(InvalidTextError, _invalid_text)
     app.add_exception_handler(Exception, _unhandled)

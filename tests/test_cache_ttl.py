@@ -20,7 +20,7 @@ from features.readers import write_records
 from features.synthetic import generate_fleet
 from features.text import driver_text, vehicle_text
 from proxy.cli import app as cli
-from proxy.services import cache_namespace
+from proxy.engine_host import cache_namespace
 from tests.conftest import make_settings, open_client, wait_ready
 from tests.redis_server import (  # noqa: F401  (pytest fixtures)
     RedisServer,

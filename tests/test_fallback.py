@@ -21,7 +21,7 @@ from engines.base import Batch, EngineError, EngineUnavailableError, Vectors
 from engines.batcher import Batcher
 from engines.fake import FakeEngine
 from engines.fallback import PROBE_TEXTS, FallbackEngine
-from proxy.services import build_engine
+from proxy.engine_host import build_engine
 from tests.conftest import make_settings, open_client, wait_ready
 
 

@@ -11,7 +11,7 @@ import pytest
 from features.readers import write_records
 from features.synthetic import generate_fleet
 from proxy import warmup
-from proxy.services import Services, open_services
+from proxy.services import Services, open_local_services
 from proxy.warmup import LocalSink, WarmupProgress, run_warmup
 from tests.conftest import make_settings
 
@@ -39,7 +39,7 @@ async def warm_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, dispatch: 
     source = tmp_path / "fleet.jsonl"
     drivers = generate_fleet(N, seed=3)
     write_records(drivers, source)
-    async with open_services(make_settings(tmp_path / "data")) as services:
+    async with open_local_services(make_settings(tmp_path / "data")) as services:
         await services.embed(["cached order text"], "dispatch")  # before the job: not traffic
         seen = count_concurrent_upserts(services, monkeypatch)
         # A frozen clock: once a dispatch lookup is seen, traffic stays live for the whole job.
@@ -59,8 +59,9 @@ async def warm_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, dispatch: 
         await job
         assert progress.state == "done"
         assert (progress.indexed, progress.embedded + progress.cached) == (N, N)
-        assert len(services.index) == N
-        assert all(services.index.get_driver(d.driver_id) == d for d in drivers[::97])
+        assert await services.index.count() == N
+        for d in drivers[::97]:
+            assert await services.index.get_driver(d.driver_id) == d
         if dispatch:
             assert lookups > 0 and sink.paced > 0
             assert seen[1] <= sink.paced_slices  # never more slices at once than the bound

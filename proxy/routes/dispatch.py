@@ -23,7 +23,7 @@ async def recommend(order: Order, services: ServicesDep, caller: CallerDep) -> d
     text = order_text(order)
     result = await services.embed([text], caller)
     searched = time.perf_counter()
-    answer = services.index.recommend(order, result.vectors[0])
+    answer = await services.index.recommend(order, result.vectors[0])
     services.latency.observe_stage("index", time.perf_counter() - searched)
     took = time.perf_counter() - started
     services.latency.observe("recommend", result.misses, took)

@@ -69,13 +69,13 @@ async def create_embeddings(
     if len(texts) > services.settings.max_texts_per_request:
         limit = services.settings.max_texts_per_request
         raise APIError(413, f"at most {limit} texts per request, got {len(texts)}", param="input")
-    if body.dimensions is not None and body.dimensions != services.engine.dim:
-        raise APIError(422, f"this model has {services.engine.dim} dimensions", param="dimensions")
+    if body.dimensions is not None and body.dimensions != services.info.dim:
+        raise APIError(422, f"this model has {services.info.dim} dimensions", param="dimensions")
     result = await services.embed(texts, caller)
     tokens = sum(estimate_tokens(t) for t in texts)
     payload = {
         "object": "list",
-        "model": services.engine.info.model,
+        "model": services.info.model,
         "data": [
             {"object": "embedding", "index": i, "embedding": encode_row(row, body.encoding_format)}
             for i, row in enumerate(result.vectors)

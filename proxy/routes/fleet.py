@@ -53,7 +53,7 @@ async def upsert_drivers(body: UpsertRequest, services: ServicesDep, caller: Cal
 
 @router.get("/v1/fleet/drivers/{driver_id}")
 async def get_driver(driver_id: str, services: ServicesDep) -> dict[str, Any]:
-    record = services.index.get_driver(driver_id)
+    record = await services.index.get_driver(driver_id)
     if record is None:
         raise unknown_driver(driver_id)
     return record_json(record)
@@ -64,7 +64,7 @@ async def patch_driver(driver_id: str, body: DriverPatch, services: ServicesDep)
     if body.position is None and body.status is None:
         raise APIError(422, "send position, status or both", param="position")
     try:
-        record = services.update_driver(driver_id, position=body.position, status=body.status)
+        record = await services.update_driver(driver_id, position=body.position, status=body.status)
     except KeyError:
         raise unknown_driver(driver_id) from None
     return record_json(record)
@@ -72,6 +72,6 @@ async def patch_driver(driver_id: str, body: DriverPatch, services: ServicesDep)
 
 @router.delete("/v1/fleet/drivers/{driver_id}")
 async def delete_driver(driver_id: str, services: ServicesDep) -> dict[str, Any]:
-    if not services.delete_driver(driver_id):
+    if not await services.delete_driver(driver_id):
         raise unknown_driver(driver_id)
     return {"deleted": driver_id}

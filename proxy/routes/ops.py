@@ -12,6 +12,7 @@ from proxy.body import JSONRoute
 from proxy.dashboard import dashboard_html
 from proxy.deps import ServicesDep, not_started_reason
 from proxy.errors import error_response
+from proxy.metrics import build_registry
 from proxy.stats import build_stats
 
 router = APIRouter(tags=["operators"], route_class=JSONRoute)
@@ -40,7 +41,7 @@ async def readyz(request: Request) -> Response:
 
 @router.get("/metrics")
 async def metrics(services: ServicesDep) -> Response:
-    return Response(generate_latest(services.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(generate_latest(build_registry(services)), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/dashboard", response_class=HTMLResponse)

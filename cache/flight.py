@@ -1,0 +1,221 @@
+"""Single-flight: each distinct text is computed once, however many callers want it at once.
+
+``SingleFlight`` is the in-flight map. It lives where misses meet the engine: in the engine
+process of a server (one map across every HTTP worker), or inside a ``CachedEmbedder`` built
+over a plain compute function (one process)::
+
+    embed(texts, lane, caller, ttl_s)
+      text in flight (another caller's, or earlier in these texts)  -> coalesced: await it
+      otherwise                                                     -> miss: one new flight
+      all new misses of the call -> ONE compute(texts, lane) in a task of its own:
+          rows computed -> written back (write_back, awaited) -> future resolved
+          -> entries dropped
+
+An entry lives until its rows are written back, so a caller arriving later finds the text in
+flight or in the store, never neither (API.md v1.1). One window remains: a caller whose store
+lookup read just before a write-back landed reaches the map just after the entry left it (seen
+as one text embedded twice in 12,000 by the kill-and-resume warm-up test). So the last
+``recent`` texts written stay joinable, with when they were written, and a caller that says
+when its lookup began (``since``) joins those written after that, as coalesced. Texts written
+before its lookup began were in the store for it: missing them there means they expired, were
+dropped or the store failed, and they are computed again.
+
+The computation runs in its own task: a caller that goes away does not cancel it, the callers
+coalesced on it still get their rows, and the write-back still happens. A compute error
+reaches every waiter of that flight and nothing is written; the next caller computes again.
+
+Counting (``stats``, a ``CacheStats``): ``coalesced`` when a text joins a flight; ``misses``
+when a flight starts, unless ``count_misses`` is False because the engine counts them itself
+at the moment it takes them (the engine process: ``misses`` then always equals
+``inference.items``, whatever fails later).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import NamedTuple, Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+from cache.stats import CacheStats
+from engines.base import EngineError
+
+log = logging.getLogger("fleetcache.cache")
+
+Vectors = npt.NDArray[np.float32]
+Row = npt.NDArray[np.float32]
+ComputeFn = Callable[[Sequence[str], str], Awaitable[Vectors]]
+"""``async compute(texts, lane) -> (len(texts), dim) float32``; production: Batcher.submit."""
+Ttls = Mapping[str, float]  # text -> seconds, for the texts written with a TTL
+WriteBackFn = Callable[[Sequence[tuple[str, Row]], Ttls], Awaitable[bool]]
+"""Writes computed rows to the store; False when the store failed (absorbed)."""
+
+
+class Flown(NamedTuple):
+    """The rows of one ``embed`` call, in input order (read-only: shared with every caller
+    coalesced on them), and which texts joined a computation already in flight."""
+
+    rows: Vectors
+    coalesced: list[bool]
+
+
+@runtime_checkable
+class Flight(Protocol):
+    """Where a cache sends its misses: a ``SingleFlight`` here, or the engine process."""
+
+    async def embed(
+        self,
+        texts: Sequence[str],
+        *,
+        lane: str,
+        caller: str,
+        ttl_s: Ttls,
+        since: float | None = None,
+    ) -> Flown: ...
+
+
+class _Flight:
+    """One compute call: its texts and ONE future for all their rows (not one per text: at
+    warm-up sizes a future and its callbacks per text cost more than the cache)."""
+
+    __slots__ = ("future", "texts")
+
+    def __init__(self, future: asyncio.Future[Vectors]) -> None:
+        self.texts: list[str] = []
+        self.future = future
+        future.add_done_callback(_retrieve)
+
+
+def _retrieve(fut: asyncio.Future[Vectors]) -> None:
+    # Every waiter re-raises the exception; a future whose waiters all left must not log
+    # "exception was never retrieved".
+    if not fut.cancelled():
+        fut.exception()
+
+
+class SingleFlight:
+    """The in-flight map over ``compute`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        compute: ComputeFn,
+        dim: int,
+        *,
+        write_back: WriteBackFn | None = None,
+        stats: CacheStats | None = None,
+        count_misses: bool = True,
+        per_item_ms: Callable[[], float] = lambda: 0.0,
+        recent: int = 8192,
+    ) -> None:
+        self._compute = compute
+        self._dim = dim
+        self._write_back = write_back
+        self._stats = stats
+        self._count_misses = count_misses
+        self._per_item_ms = per_item_ms
+        self._inflight: dict[str, tuple[_Flight, int]] = {}  # text -> (flight, its row)
+        # text -> (flight, its row, when written back: time.monotonic, the same in every
+        # process of one machine)
+        self._recent: OrderedDict[str, tuple[_Flight, int, float]] = OrderedDict()
+        self._max_recent = recent
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def in_flight(self) -> int:
+        """Distinct texts being computed or written back now."""
+        return len(self._inflight)
+
+    async def embed(
+        self,
+        texts: Sequence[str],
+        *,
+        lane: str,
+        caller: str,
+        ttl_s: Ttls | None = None,
+        since: float | None = None,
+    ) -> Flown:
+        """Rows of ``texts``; ``since``: when the caller's store lookup began (monotonic)."""
+        loop = asyncio.get_running_loop()
+        inflight = self._inflight
+        flight: _Flight | None = None  # this call's own computation, if it needs one
+        waits: list[tuple[_Flight, int]] = []
+        coalesced: list[bool] = []
+        recent, joinable_after = self._recent, float("inf") if since is None else since
+        for text in texts:
+            entry = inflight.get(text)
+            if entry is None and (late := recent.get(text)) and late[2] >= joinable_after:
+                entry = late[:2]
+            coalesced.append(entry is not None)  # earlier in these texts counts too
+            if entry is None:
+                if flight is None:
+                    flight = _Flight(loop.create_future())
+                entry = inflight[text] = (flight, len(flight.texts))
+                flight.texts.append(text)
+            waits.append(entry)
+        joined = sum(coalesced)
+        if self._stats is not None and (joined or self._count_misses):
+            misses = len(coalesced) - joined if self._count_misses else 0
+            self._stats.record(caller, 0, joined, misses, self._per_item_ms() if joined else 0.0)
+        if flight is not None:
+            ttls = {t: ttl for t in flight.texts if (ttl := (ttl_s or {}).get(t)) is not None}
+            task = loop.create_task(self._run(flight, lane, ttls))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        # asyncio.wait, not ``await fut``: cancelling this caller must not cancel the
+        # futures that other callers share.
+        pending = {f.future for f, _ in waits if not f.future.done()}
+        if pending:
+            await asyncio.wait(pending)
+        if not waits:
+            return Flown(np.empty((0, self._dim), np.float32), [])
+        if not joined and flight is not None and len(flight.texts) == len(waits):
+            return Flown(flight.future.result(), coalesced)  # all its own, in order
+        return Flown(np.stack([f.future.result()[i] for f, i in waits]), coalesced)
+
+    async def _run(self, flight: _Flight, lane: str, ttl_s: Ttls) -> None:
+        texts, fut = flight.texts, flight.future
+        stored = False  # written back: then it stays joinable a little longer (``recent``)
+        try:
+            try:
+                # A copy, read-only: these rows are shared by every caller coalesced on them.
+                rows = np.array(await self._compute(texts, lane), dtype=np.float32)
+                if rows.shape != (len(texts), self._dim):
+                    raise EngineError(
+                        f"compute returned shape {rows.shape} for {len(texts)} texts, "
+                        f"expected ({len(texts)}, {self._dim})"
+                    )
+                rows.flags.writeable = False
+            except BaseException as exc:
+                err = exc if isinstance(exc, Exception) else EngineError(f"aborted: {exc!r}")
+                fut.set_exception(err)
+                if err is not exc:
+                    raise
+                return
+            try:
+                if self._write_back is not None:
+                    stored = await self._write_back(list(zip(texts, rows, strict=True)), ttl_s)
+            except Exception:  # the writer absorbs store failures; this guards against bugs
+                log.exception("write-back of %d texts failed", len(texts))
+            finally:  # cancelled mid-write (shutdown): the waiters still get their rows
+                fut.set_result(rows)
+        finally:
+            written_at = time.monotonic()
+            for text in texts:
+                entry = self._inflight.get(text)
+                if entry is not None and entry[0] is flight:
+                    del self._inflight[text]
+                    if stored:
+                        self._recent[text] = (*entry, written_at)
+                        self._recent.move_to_end(text)
+            while len(self._recent) > self._max_recent:
+                self._recent.popitem(last=False)
+
+    async def drain(self, grace_s: float) -> None:
+        """Let running computations finish and write back (up to ``grace_s`` seconds)."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=grace_s)

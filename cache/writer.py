@@ -1,0 +1,75 @@
+"""``VectorWriter``: rows to codec entries under their namespace keys, written to one store.
+
+The one place that knows how a cached vector is keyed and encoded, shared by the cache's
+lookups (``CachedEmbedder``) and by whoever writes computed rows back (the flight, in this
+process or in the engine process). Store failures are absorbed and counted in ``errors``: a
+vector that could not be written is computed again next time, the request is still served.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+import numpy.typing as npt
+from langchain_core.stores import ByteStore
+
+from cache import codec
+from cache.base import ErrorLog
+
+Row = npt.NDArray[np.float32]
+
+
+class VectorWriter:
+    def __init__(
+        self,
+        store: ByteStore,
+        *,
+        namespace: str,
+        dtype: codec.Dtype = "float32",
+        errors: ErrorLog | None = None,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not namespace or len(namespace) > 200 or any(c.isspace() for c in namespace):
+            raise ValueError(f"namespace must be 1..200 non-blank characters: {namespace!r}")
+        codec.encode(np.zeros(1, np.float32), dtype)  # fail fast on an unknown dtype
+        self.store = store
+        self.namespace = namespace
+        self.dtype: codec.Dtype = dtype
+        self.errors = errors or ErrorLog(f"cache namespace {namespace}")
+        self._wall_clock = wall_clock
+
+    def key(self, text: str) -> str:
+        """``{namespace}:{blake2b-256(text)}`` (the text is valid Unicode: the cache checks)."""
+        digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=32)
+        return f"{self.namespace}:{digest.hexdigest()}"
+
+    def encode_one(self, row: Row) -> bytes:
+        return codec.encode(row, self.dtype)
+
+    async def write(
+        self,
+        pairs: Sequence[tuple[str, Row]],
+        ttl_s: Mapping[str, float],
+        keys: Mapping[str, str] | None = None,
+    ) -> bool:
+        """Write ``(text, row)`` pairs (a text given twice: the last row), each with its TTL
+        from ``ttl_s`` when it has one; ``keys`` are store keys the caller hashed already.
+        False when the store failed (absorbed and counted)."""
+        unique = dict(pairs)
+        if not unique:
+            return True
+        now = self._wall_clock()
+        texts = list(unique)
+        expiry = [None if (ttl := ttl_s.get(t)) is None else now + ttl for t in texts]
+        values = codec.encode_many(list(unique.values()), self.dtype, expires_at=expiry)
+        known = keys or {}
+        entries = [(known.get(t) or self.key(t), v) for t, v in zip(texts, values, strict=True)]
+        try:
+            await self.store.amset(entries)
+        except Exception as exc:
+            self.errors.record("mset", exc)
+            return False
+        return True

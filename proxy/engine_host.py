@@ -1,0 +1,312 @@
+"""The engine's side of every miss: what one engine process owns (ARCHITECTURE.md, "Processes").
+
+    EngineHost
+      engine       FallbackEngine: the configured engine, watched, with an optional stand-in
+      batcher      lanes (dispatch before warm-up), deadlines, token budget, tokenize-ahead;
+                   counts items, and the misses by caller at the same moment (so that
+                   ``misses == inference.items`` whatever fails afterwards)
+      flight       one in-flight map for every worker: an identical text sent through any
+                   number of workers at once is computed once (one miss, the rest coalesced),
+                   its rows written back to the shared tier (LMDB | Redis) before the entry
+                   is dropped
+      board        this process's counters (proxy.board)
+
+A server runs it in its engine process, reached over IPC (``proxy.processes``); ``create_app``
+without the supervisor runs it in-process (tests). The workers call ``embed`` either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextvars import ContextVar
+from dataclasses import asdict
+from typing import Any
+
+import zmq
+
+from cache.flight import Flown, SingleFlight, Vectors
+from cache.stores import TieredByteStore
+from cache.writer import VectorWriter
+from engines.base import Engine, EngineInfo
+from engines.batcher import Batcher, EngineHealth, deadline_after
+from engines.fallback import FallbackEngine
+from engines.registry import create_engine
+from features.text import TEXT_SCHEMA_VERSION
+from proxy.board import Board
+from proxy.ipc import Blobs, Handler, RpcClient, RpcServer, frame_rows, rows_frame
+from proxy.settings import Settings
+from proxy.telemetry import REQUEST_STAGES, BoardCacheStats, StageTimingEngine
+
+log = logging.getLogger("fleetcache.engine")
+Msg = dict[str, Any]
+Frames = list[zmq.Frame]
+Out = tuple[Msg, Blobs]
+
+# The caller of the flight being computed: the flight's compute task inherits it from the
+# ``embed`` call that started it, and the batcher counts that flight's misses under it.
+_CALLER: ContextVar[str] = ContextVar("fleetcache_engine_caller", default="dispatch")
+
+
+def cache_namespace(info: EngineInfo) -> str:
+    """Vectors of another engine fingerprint or text schema never mix (ARCHITECTURE.md)."""
+    return f"t{TEXT_SCHEMA_VERSION}-{info.fingerprint}"
+
+
+def engine_options(
+    settings: Settings, kind: str | None = None, device: str | None = None
+) -> dict[str, Any]:
+    """``create_engine`` options of the configured engine, or of another kind/device."""
+    if (kind or settings.engine) == "fake":
+        return {"delay_s": settings.fake_delay_ms / 1000.0} if settings.fake_delay_ms else {}
+    options: dict[str, Any] = {
+        "device": device or settings.device,
+        "max_seq_length": settings.max_seq_length,
+    }
+    if settings.model_path:
+        options["model_path"] = settings.model_path
+    return options
+
+
+def build_engine(settings: Settings) -> FallbackEngine:
+    """The configured engine, watched: unhealthy on a failed batch or a batch p99 over
+    ``max_batch_p99_ms``, then misses go to the fallback (same fingerprint only) or get 503."""
+    primary = create_engine(settings.engine, **engine_options(settings))
+    fallback = None
+    if settings.fallback_engine is not None:
+        kind, device = settings.fallback_engine, settings.fallback_device
+        fallback = create_engine(kind, **engine_options(settings, kind, device))
+    return FallbackEngine(primary, fallback, max_batch_p99_ms=settings.max_batch_p99_ms)
+
+
+class EngineHost:
+    """See the module docstring. Build it with ``open_engine_host``."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        engine: Engine,
+        batcher: Batcher,
+        board: Board,
+        stats: BoardCacheStats,
+        writer: VectorWriter | None,
+    ) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.batcher = batcher
+        self.board = board
+        self.stats = stats
+        self.info = engine.info
+        self.namespace = cache_namespace(engine.info)
+        self._deadlines_ms = {
+            "dispatch": settings.dispatch_deadline_ms,
+            "warmup": settings.warmup_deadline_ms,
+        }
+        self.flight = SingleFlight(
+            self._compute,
+            engine.info.dim,
+            write_back=writer.write if writer is not None else None,
+            stats=stats,
+            count_misses=False,  # the batcher counts them, as it hands them to the engine
+            per_item_ms=lambda: batcher.per_item_ms,
+        )
+
+    async def _compute(self, texts: Sequence[str], lane: str) -> Vectors:
+        deadline = deadline_after(self._deadlines_ms[lane])
+        return await self.batcher.submit(texts, lane, deadline, tag=_CALLER.get())
+
+    async def embed(
+        self,
+        texts: Sequence[str],
+        *,
+        lane: str,
+        caller: str,
+        ttl_s: Mapping[str, float],
+        since: float | None = None,
+    ) -> Flown:
+        """Rows of ``texts`` (the misses of some worker's cache), computed once across every
+        caller in flight; ``coalesced`` marks the texts that joined another computation.
+        ``since``: when the caller's store lookup began (``cache.flight``)."""
+        token = _CALLER.set(caller)
+        try:
+            return await self.flight.embed(
+                texts, lane=lane, caller=caller, ttl_s=ttl_s, since=since
+            )
+        finally:
+            _CALLER.reset(token)
+            self.publish()
+
+    def health(self) -> EngineHealth:
+        return self.batcher.engine_health()
+
+    def per_item_ms(self) -> float:
+        return self.batcher.per_item_ms
+
+    async def invalidate(self, keys: Sequence[str]) -> dict[str, Any]:
+        """In one process there is no other memory tier to reach."""
+        return {"workers": 1, "silent": []}
+
+    def facts(self) -> dict[str, Any]:
+        """What the board cannot hold: the engine's identity, health and last error."""
+        stats = self.batcher.stats()
+        return {
+            "info": asdict(self.info),
+            "namespace": self.namespace,
+            "health": asdict(self.health()),
+            "last_error": stats.last_error,
+            "per_item_ms": stats.per_item_ms,
+        }
+
+    def publish(self) -> None:
+        """Mirror the batcher's totals and the queue onto the board (after every batch and
+        every embed: a reader then sees them as of the last change)."""
+        s, board = self.batcher.stats(), self.board
+        board.put("inference.items", s.items)
+        board.put("inference.batches", s.batches)
+        board.put("inference.failed_batches", s.failed_batches)
+        board.put("inference.expired_items", s.expired_items)
+        board.put("inference.ok_items", s.ok_items)
+        board.put("inference.engine_ms", s.engine_ms)
+        board.gauge("queue.depth", self.batcher.queued)
+        board.gauge("cache.in_flight", self.flight.in_flight)
+
+
+@contextlib.asynccontextmanager
+async def open_engine_host(
+    settings: Settings,
+    board: Board,
+    engine: Engine | None = None,
+    store: TieredByteStore | None = None,
+    stats: BoardCacheStats | None = None,
+) -> AsyncIterator[EngineHost]:
+    """Load and warm the engine (off the event loop), start the batcher, and write computed
+    rows to the shared tier of ``store`` (built from the settings when not given; an
+    in-process server passes its own, since LMDB may not be opened twice by one process).
+    ``stats``: the lookup counters, when this process's cache shares them (one process)."""
+    async with contextlib.AsyncExitStack() as stack:
+        if engine is None:
+            engine = build_engine(settings)
+        log.info("loading engine %s", settings.engine)
+        await asyncio.to_thread(engine.load)
+        stack.callback(engine.close)
+        await asyncio.to_thread(engine.warmup)
+        info = engine.info
+        log.info(
+            "engine ready: %s on %s (%s), fingerprint %s",
+            info.model,
+            info.device,
+            info.precision,
+            info.fingerprint,
+        )
+        if store is None:
+            store = shared_tier(settings)
+            stack.callback(store.close)
+        counts = stats or BoardCacheStats(board)
+        host: EngineHost | None = None
+
+        def queue_wait(_lane: str, seconds: float) -> None:
+            board.observe(REQUEST_STAGES, ("queue_wait",), seconds)
+            board.recent("queue_wait", seconds * 1000.0)
+
+        def batch_done() -> None:
+            if host is not None:
+                host.publish()
+
+        batcher = Batcher(
+            StageTimingEngine(engine, board),
+            max_batch_size=settings.max_batch_size,
+            max_delay_ms=settings.max_delay_ms,
+            max_queue=settings.max_queue,
+            max_batch_tokens=settings.max_batch_tokens,
+            on_queue_wait=queue_wait,
+            on_sent=lambda caller, n: counts.record(caller, 0, 0, n, 0.0),
+            on_batch_done=batch_done,
+        )
+        await stack.enter_async_context(batcher)
+        writer = None
+        if store.store is not None:  # through the tiers: a degraded store is skipped a while
+            writer = VectorWriter(store, namespace=cache_namespace(info))
+        host = EngineHost(settings, engine, batcher, board, counts, writer)
+        stack.push_async_callback(host.flight.drain, 5.0)  # exits first: rows written back
+        host.publish()
+        yield host
+
+
+def shared_tier(settings: Settings) -> TieredByteStore:
+    """The shared tier alone (no memory tier): what the engine process writes rows to."""
+    from cache import stores
+
+    if settings.store == "lmdb":
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+    return stores.build_store(
+        settings.store,
+        memory_bytes=0,
+        data_dir=settings.data_dir,
+        map_size=int(settings.lmdb_map_size_gb * 2**30),
+        redis_url=settings.redis_url,
+    )
+
+
+# -- over IPC ------------------------------------------------------------------------------
+
+
+def engine_handlers(host: EngineHost, server: RpcServer) -> dict[str, Handler]:
+    """The ops of ``RemoteEngine``, served by the engine process."""
+
+    async def ping(message: Msg, blobs: Frames) -> Out:
+        return host.facts(), ()
+
+    async def embed(message: Msg, blobs: Frames) -> Out:
+        flown = await host.embed(
+            message["texts"],
+            lane=message["lane"],
+            caller=message["caller"],
+            ttl_s=message["ttl"],
+            since=message.get("since"),
+        )
+        return {"coalesced": bytes(flown.coalesced)}, [rows_frame(flown.rows)]
+
+    async def invalidate(message: Msg, blobs: Frames) -> Out:
+        """Drop keys from every worker's memory tier; answers once each worker has."""
+        answers = await server.call_peers("drop", b"worker-", 5.0, keys=message["keys"])
+        silent = [peer.decode() for peer, answer in answers.items() if answer is None]
+        return {"workers": len(answers), "silent": silent}, ()
+
+    return {"ping": ping, "embed": embed, "invalidate": invalidate}
+
+
+class RemoteEngine:
+    """The engine process, as the workers see it: a ``Flight`` for their caches, its health
+    and identity from the last ping (no round trip for /readyz)."""
+
+    def __init__(self, client: RpcClient, info: EngineInfo) -> None:
+        self.client = client
+        self.info = info
+
+    async def embed(
+        self,
+        texts: Sequence[str],
+        *,
+        lane: str,
+        caller: str,
+        ttl_s: Mapping[str, float],
+        since: float | None = None,
+    ) -> Flown:
+        reply, frames = await self.client.call(
+            "embed", texts=list(texts), lane=lane, caller=caller, ttl=dict(ttl_s), since=since
+        )
+        return Flown(frame_rows(frames[0], self.info.dim), [bool(c) for c in reply["coalesced"]])
+
+    def health(self) -> EngineHealth:
+        if not self.client.up:
+            return EngineHealth(False, "the engine process is not answering", "none")
+        return EngineHealth(**self.client.facts["health"])
+
+    def facts(self) -> dict[str, Any]:
+        return self.client.facts if self.client.up else {}
+
+    async def invalidate(self, keys: Sequence[str]) -> dict[str, Any]:
+        reply, _ = await self.client.call("invalidate", keys=list(keys), timeout_s=10.0)
+        return reply

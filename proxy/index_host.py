@@ -1,0 +1,315 @@
+"""The fleet index's one owner, and how the workers reach it.
+
+``IndexHost`` owns the ``FleetTable`` (drivers, vectors, positions), its revision and its
+snapshots. Every fleet and dispatch call of every worker reaches this one owner, so a PATCH
+through one worker is seen by the next recommend through any other. A server runs it in its
+own process (``proxy.processes``) behind an ``RpcServer``; ``create_app`` without the
+supervisor runs it in-process. The workers hold an ``IndexService``: the host itself, or a
+``RemoteIndex`` speaking to it over IPC, with the same async methods::
+
+    upsert_drivers(records, vectors)       update_driver(id, position=, status=) -> record
+    delete_driver(id) -> bool              get_driver(id) -> record | None
+    get_drivers(ids) -> [record | None]    recommend(order, query) -> Recommendation
+    count() -> int                         set_ready()      ready, up (properties)
+
+Records cross as their JSON; vectors and the query as raw float32 frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+import orjson
+import zmq
+
+from features.models import DriverRecord, Order, Position, Status
+from indexes import Candidate, FleetTable, Recommendation
+from proxy.board import Board
+from proxy.ipc import (
+    Blobs,
+    Handler,
+    NotFoundError,
+    RpcClient,
+    RpcServer,
+    frame_rows,
+    rows_frame,
+)
+from proxy.settings import Settings
+
+log = logging.getLogger("fleetcache.index")
+Msg = dict[str, Any]
+Frames = list[zmq.Frame]
+Out = tuple[Msg, Blobs]
+
+
+class IndexService(Protocol):
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def up(self) -> bool: ...
+
+    async def upsert_drivers(
+        self, records: Sequence[DriverRecord], vectors: npt.NDArray[np.float32]
+    ) -> None: ...
+
+    async def update_driver(
+        self, driver_id: str, *, position: Position | None, status: Status | None
+    ) -> DriverRecord: ...
+
+    async def delete_driver(self, driver_id: str) -> bool: ...
+
+    async def get_driver(self, driver_id: str) -> DriverRecord | None: ...
+
+    async def get_drivers(self, driver_ids: Sequence[str]) -> list[DriverRecord | None]: ...
+
+    async def recommend(self, order: Order, query: npt.NDArray[np.float32]) -> Recommendation: ...
+
+    async def count(self) -> int: ...
+
+    async def set_ready(self) -> None: ...
+
+    async def commit(self) -> None: ...
+
+
+class IndexHost:
+    """The table and what belongs to it: revision, readiness, snapshots. KeyError for an
+    unknown driver on update."""
+
+    def __init__(self, settings: Settings, table: FleetTable, board: Board) -> None:
+        self.settings = settings
+        self.table = table
+        self.board = board
+        self.revision = 0  # bumped on every change; a snapshot is skipped when unchanged
+        self._saved = 0
+        self._ready = not settings.demo_drivers  # the demo fleet's loader sets it
+        self.up = True
+        self._publish()
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    def _changed(self, by: int = 1) -> None:
+        self.revision += by
+        self._publish()
+
+    def _publish(self) -> None:
+        self.board.gauge("fleet.drivers", len(self.table))
+
+    async def upsert_drivers(
+        self, records: Sequence[DriverRecord], vectors: npt.NDArray[np.float32]
+    ) -> None:
+        self.table.upsert_drivers(records, vectors)
+        self._changed()
+
+    async def update_driver(
+        self, driver_id: str, *, position: Position | None, status: Status | None
+    ) -> DriverRecord:
+        record = self.table.update_driver(driver_id, position=position, status=status)
+        self._changed()
+        return record
+
+    async def delete_driver(self, driver_id: str) -> bool:
+        deleted = self.table.delete_driver(driver_id)
+        self._changed(int(deleted))
+        return deleted
+
+    async def get_driver(self, driver_id: str) -> DriverRecord | None:
+        return self.table.get_driver(driver_id)
+
+    async def get_drivers(self, driver_ids: Sequence[str]) -> list[DriverRecord | None]:
+        return [self.table.get_driver(i) for i in driver_ids]
+
+    async def recommend(self, order: Order, query: npt.NDArray[np.float32]) -> Recommendation:
+        return self.table.recommend(order, query)
+
+    async def count(self) -> int:
+        return len(self.table)
+
+    async def commit(self) -> None:
+        await self.snapshot()
+
+    async def set_ready(self) -> None:
+        if not self._ready:
+            self._ready = True
+            log.info("ready: %d drivers in the fleet index", len(self.table))
+
+    def facts(self) -> dict[str, Any]:
+        return {"ready": self._ready, "drivers": len(self.table), "revision": self.revision}
+
+    async def snapshot(self) -> None:
+        """Save the table when it changed since the last save (off the event loop)."""
+        if self.revision != self._saved:
+            revision = self.revision
+            await asyncio.to_thread(self.table.save, self.settings.index_dir)
+            self._saved = revision
+
+    async def snapshot_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.snapshot_interval_s)
+            try:
+                await self.snapshot()
+            except Exception:
+                log.exception("fleet index snapshot failed; the next one retries")
+
+
+@contextlib.asynccontextmanager
+async def open_index_host(settings: Settings, board: Board, dim: int) -> AsyncIterator[IndexHost]:
+    """The table of ``dim``-d vectors loaded from its last snapshot, snapshotted periodically
+    and on the way out."""
+    started = time.perf_counter()
+    table = await asyncio.to_thread(FleetTable.load, settings.index_dir, dim)
+    log.info("fleet index loaded: %d drivers in %.2f s", len(table), time.perf_counter() - started)
+    host = IndexHost(settings, table, board)
+    task = asyncio.create_task(host.snapshot_periodically(), name="index-snapshots")
+    try:
+        yield host
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await host.snapshot()
+
+
+# -- over IPC ------------------------------------------------------------------------------
+
+
+def _record_json(record: DriverRecord | None) -> bytes | None:
+    return None if record is None else record.model_dump_json().encode()
+
+
+def _record(raw: bytes | None) -> DriverRecord | None:
+    return None if raw is None else DriverRecord.model_validate_json(raw)
+
+
+def index_handlers(host: IndexHost) -> dict[str, Handler]:
+    """The ops of ``RemoteIndex``, served by the index process."""
+    dim = host.table.dim
+
+    async def ping(message: Msg, blobs: Frames) -> Out:
+        return host.facts(), ()
+
+    async def upsert(message: Msg, blobs: Frames) -> Out:
+        records = [DriverRecord.model_validate_json(raw) for raw in message["records"]]
+        await host.upsert_drivers(records, frame_rows(blobs[0], dim))
+        return {"upserted": len(records)}, ()
+
+    async def update(message: Msg, blobs: Frames) -> Out:
+        position = message.get("position")
+        try:
+            record = await host.update_driver(
+                message["driver_id"],
+                position=None if position is None else Position.model_validate(position),
+                status=message.get("status"),
+            )
+        except KeyError:
+            raise NotFoundError(message["driver_id"]) from None
+        return {"record": _record_json(record)}, ()
+
+    async def delete(message: Msg, blobs: Frames) -> Out:
+        return {"deleted": await host.delete_driver(message["driver_id"])}, ()
+
+    async def get(message: Msg, blobs: Frames) -> Out:
+        records = await host.get_drivers(message["driver_ids"])
+        return {"records": [_record_json(r) for r in records]}, ()
+
+    async def recommend(message: Msg, blobs: Frames) -> Out:
+        order = Order.model_validate_json(message["order"])
+        answer = await host.recommend(order, frame_rows(blobs[0], dim)[0])
+        candidates = [
+            (c.driver_id, c.vehicle_id, c.similarity, c.distance_km) for c in answer.candidates
+        ]
+        return {"candidates": candidates, "considered": answer.considered}, ()
+
+    async def set_ready(message: Msg, blobs: Frames) -> Out:
+        await host.set_ready()
+        return {}, ()
+
+    async def commit(message: Msg, blobs: Frames) -> Out:
+        await host.commit()
+        return {}, ()
+
+    return {
+        "ping": ping,
+        "upsert": upsert,
+        "update": update,
+        "delete": delete,
+        "get": get,
+        "recommend": recommend,
+        "set_ready": set_ready,
+        "commit": commit,
+    }
+
+
+class RemoteIndex:
+    """An ``IndexService`` in another process (see ``index_handlers``)."""
+
+    def __init__(self, client: RpcClient) -> None:
+        self.client = client
+
+    @property
+    def up(self) -> bool:
+        return self.client.up
+
+    @property
+    def ready(self) -> bool:
+        return self.client.up and bool(self.client.facts.get("ready"))
+
+    async def upsert_drivers(
+        self, records: Sequence[DriverRecord], vectors: npt.NDArray[np.float32]
+    ) -> None:
+        raw = [r.model_dump_json().encode() for r in records]
+        await self.client.call("upsert", [rows_frame(vectors)], records=raw)
+
+    async def update_driver(
+        self, driver_id: str, *, position: Position | None, status: Status | None
+    ) -> DriverRecord:
+        moved = None if position is None else orjson.loads(position.model_dump_json())
+        try:
+            reply, _ = await self.client.call(
+                "update", driver_id=driver_id, position=moved, status=status
+            )
+        except NotFoundError:
+            raise KeyError(driver_id) from None
+        record = _record(reply["record"])
+        assert record is not None
+        return record
+
+    async def delete_driver(self, driver_id: str) -> bool:
+        reply, _ = await self.client.call("delete", driver_id=driver_id)
+        return bool(reply["deleted"])
+
+    async def get_driver(self, driver_id: str) -> DriverRecord | None:
+        return (await self.get_drivers([driver_id]))[0]
+
+    async def get_drivers(self, driver_ids: Sequence[str]) -> list[DriverRecord | None]:
+        reply, _ = await self.client.call("get", driver_ids=list(driver_ids))
+        return [_record(raw) for raw in reply["records"]]
+
+    async def recommend(self, order: Order, query: npt.NDArray[np.float32]) -> Recommendation:
+        reply, _ = await self.client.call(
+            "recommend", [rows_frame(query[None, :])], order=order.model_dump_json().encode()
+        )
+        candidates = [Candidate(*c) for c in reply["candidates"]]
+        return Recommendation(candidates, int(reply["considered"]))
+
+    async def count(self) -> int:
+        return int(self.client.facts.get("drivers", 0))
+
+    async def set_ready(self) -> None:
+        await self.client.call("set_ready")
+
+    async def commit(self) -> None:
+        await self.client.call("commit")
+
+
+def serve_index(host: IndexHost, bind: str) -> RpcServer:
+    return RpcServer(bind, index_handlers(host))

@@ -1,0 +1,394 @@
+"""Calls between the processes of one server: pyzmq over ``ipc://``, msgpack frames (msgspec),
+arrays as raw frames, never pickle.
+
+One ``RpcServer`` per owner (the engine process, the fleet index owner): a ROUTER socket. Every
+other process holds one ``RpcClient`` per owner: a DEALER whose routing id says who it is
+(``worker-<pid>``), so the owner can also call it (a cache invalidation reaches every worker)::
+
+    client -> server   [header, *blobs]       header = {"id": n, "op": "embed", ...}
+    server -> client   [reply, *blobs]        reply  = {"id": n, ...} | {"id": n, "error": {..}}
+    server -> client   [request, *blobs]      request = {"sid": n, "op": "invalidate", ...}
+    client -> server   [reply]                reply   = {"sid": n, ...}
+
+Vectors travel as one raw little-endian float32 frame, read back with ``np.frombuffer`` without
+a copy. An error crosses as ``{"kind", "message"}`` and is raised again on the other side as
+the same exception class (``ERRORS``): a worker answers a ``QueueFullError`` of the engine
+with 429 as if the batcher were local.
+
+Liveness: a client pings its server every ``ping_s``; no answer for ``down_after_s`` (or a
+broken connection) marks the server down: pending calls fail at once with
+``ServiceUnavailableError`` and new calls fail without waiting, until a ping is answered again
+(the supervisor restarts the owner; ZeroMQ reconnects by itself). The ping's answer carries
+the owner's ``facts`` (health, identity), so ``/readyz`` never needs a round trip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from engines.base import (
+    DeadlineExceededError,
+    EngineError,
+    EngineUnavailableError,
+    QueueFullError,
+)
+
+log = logging.getLogger("fleetcache.ipc")
+
+Blobs = Sequence[bytes | memoryview | zmq.Frame]
+Reply = tuple[dict[str, Any], list[zmq.Frame]]
+Handler = Callable[[dict[str, Any], list[zmq.Frame]], Awaitable[tuple[dict[str, Any], Blobs]]]
+ClientHandler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder().decode
+
+
+class ServiceUnavailableError(EngineUnavailableError):
+    """The process that owns a service (``engine``, ``index``) is down or not answering
+    (HTTP 503 ``<service>_unavailable``)."""
+
+    def __init__(self, message: str, service: str = "engine") -> None:
+        super().__init__(message)
+        self.service = service
+
+
+class RemoteError(RuntimeError):
+    """A failure inside the other process that has no class of its own here (HTTP 500)."""
+
+
+class NotFoundError(KeyError):
+    """The owner does not know the key (an unknown driver)."""
+
+
+# kind -> exception class, the same on both sides; the first class an error is an instance
+# of names it (subclasses first).
+ERRORS: dict[str, type[Exception]] = {
+    "service_unavailable": ServiceUnavailableError,
+    "queue_full": QueueFullError,
+    "deadline_exceeded": DeadlineExceededError,
+    "engine_unavailable": EngineUnavailableError,
+    "engine_error": EngineError,
+    "not_found": NotFoundError,
+    "invalid": ValueError,
+}
+
+
+def error_payload(exc: BaseException) -> dict[str, str]:
+    for kind, cls in ERRORS.items():
+        if isinstance(exc, cls):
+            message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+            return {"kind": kind, "message": str(message)}
+    return {"kind": "internal", "message": f"{type(exc).__name__}: {exc}"}
+
+
+def raise_payload(error: dict[str, str]) -> None:
+    cls = ERRORS.get(error.get("kind", ""), RemoteError)
+    raise cls(error.get("message", "remote error"))
+
+
+def rows_frame(rows: npt.NDArray[np.float32]) -> memoryview:
+    """A (n, dim) float32 array as one frame (no copy when already contiguous)."""
+    return memoryview(np.ascontiguousarray(rows, dtype="<f4").data).cast("B")
+
+
+def frame_rows(frame: zmq.Frame | bytes, dim: int) -> npt.NDArray[np.float32]:
+    """The rows of a ``rows_frame``, read-only and without a copy."""
+    buffer = frame.buffer if isinstance(frame, zmq.Frame) else frame
+    return np.frombuffer(buffer, dtype="<f4").reshape(-1, dim)
+
+
+def address(run_dir: os.PathLike[str] | str, name: str) -> str:
+    return f"ipc://{os.fspath(run_dir)}/{name}.sock"
+
+
+class RpcServer:
+    """A ROUTER serving ``handlers`` by op name; each request runs in a task of its own."""
+
+    def __init__(self, bind: str, handlers: dict[str, Handler]) -> None:
+        self.address = bind
+        self.handlers = handlers
+        self._ctx = zmq.asyncio.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone peer raises
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        path = bind.removeprefix("ipc://")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # left by an owner that died
+        self._sock.bind(bind)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._sids = itertools.count(1)
+        self._calls: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.peers: dict[bytes, float] = {}  # routing id -> when it last spoke
+
+    async def serve(self) -> None:
+        """Receive until cancelled."""
+        try:
+            while True:
+                frames = await self._sock.recv_multipart(copy=False)
+                peer, message, blobs = frames[0].bytes, _decode(frames[1].bytes), frames[2:]
+                self.peers[peer] = time.monotonic()
+                sid = message.get("sid")
+                if sid is not None:  # a client answering our call
+                    future = self._calls.pop(sid, None)
+                    if future is not None and not future.done():
+                        future.set_result(message)
+                    continue
+                task = asyncio.create_task(self._handle(peer, message, blobs))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        finally:
+            for task in list(self._tasks):
+                task.cancel()
+
+    async def _handle(self, peer: bytes, message: dict[str, Any], blobs: list[zmq.Frame]) -> None:
+        out: Blobs = ()
+        try:
+            handler = self.handlers[message["op"]]
+            reply, out = await handler(message, blobs)
+        except Exception as exc:
+            if not isinstance(exc, ERRORS_KNOWN):
+                log.exception("%s failed", message.get("op"))
+            reply = {"error": error_payload(exc)}
+        reply["id"] = message.get("id")
+        try:
+            await self._sock.send_multipart([peer, _encode(reply), *out], copy=False)
+        except zmq.ZMQError as exc:  # the caller went away meanwhile
+            log.debug("reply to %r lost: %s", peer, exc)
+
+    async def call_peers(
+        self, op: str, prefix: bytes, timeout_s: float, **args: Any
+    ) -> dict[bytes, dict[str, Any] | None]:
+        """Call every peer whose routing id starts with ``prefix`` (seen in the last
+        ``timeout_s`` x 4) and wait for each answer; None for a peer that did not answer."""
+        now = time.monotonic()
+        peers = [p for p, seen in self.peers.items() if p.startswith(prefix)]
+        peers = [p for p in peers if now - self.peers[p] < max(4 * timeout_s, 5.0)]
+        futures: dict[bytes, asyncio.Future[dict[str, Any]]] = {}
+        loop = asyncio.get_running_loop()
+        for peer in peers:
+            sid = next(self._sids)
+            future = self._calls[sid] = loop.create_future()
+            try:
+                await self._sock.send_multipart([peer, _encode({"sid": sid, "op": op, **args})])
+            except zmq.ZMQError:
+                self._calls.pop(sid, None)
+                self.peers.pop(peer, None)
+                continue
+            futures[peer] = future
+        if futures:
+            await asyncio.wait(futures.values(), timeout=timeout_s)
+        out: dict[bytes, dict[str, Any] | None] = {}
+        for peer, future in futures.items():
+            out[peer] = future.result() if future.done() else None
+            future.cancel()
+        return out
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.address.removeprefix("ipc://"))
+
+
+ERRORS_KNOWN = tuple(ERRORS.values())
+
+
+class RpcClient:
+    """A DEALER to one server (see the module docstring)."""
+
+    def __init__(
+        self,
+        connect: str,
+        *,
+        role: str,
+        on_request: ClientHandler | None = None,
+        ping_s: float = 0.2,
+        down_after_s: float = 2.0,
+    ) -> None:
+        self.address = connect
+        self.identity = f"{role}-{os.getpid()}".encode()
+        self._ctx = zmq.asyncio.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.ROUTING_ID, self.identity)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued for a server that is down
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.setsockopt(zmq.RECONNECT_IVL, 50)
+        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
+        self._sock.connect(connect)
+        self._on_request = on_request
+        self._ping_s = ping_s
+        self._down_after_s = down_after_s
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[Reply]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._answered = -1.0  # when the server last answered (monotonic)
+        self.up = False
+        self.facts: dict[str, Any] = {}  # the last ping's answer
+        self.ups = 0  # times the server came (back) up: a restart shows as one more
+        self._changed = asyncio.Event()
+
+    async def start(self) -> RpcClient:
+        self._tasks = [
+            asyncio.create_task(self._receive(), name=f"rpc-receive {self.address}"),
+            asyncio.create_task(self._ping(), name=f"rpc-ping {self.address}"),
+            asyncio.create_task(self._watch(), name=f"rpc-watch {self.address}"),
+        ]
+        return self
+
+    async def wait_up(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not self.up:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining):
+                    await self._changed.wait()
+        return True
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._fail_pending(ServiceUnavailableError("client closed", self.service))
+        self._sock.close(linger=0)
+
+    async def call(
+        self, op: str, blobs: Blobs = (), *, timeout_s: float | None = None, **args: Any
+    ) -> Reply:
+        """The server's answer to ``op`` (its own errors raised again here)."""
+        if not self.up and op != "ping":
+            raise ServiceUnavailableError(f"{self._name} is not answering", self.service)
+        return await self._call(op, blobs, timeout_s, args)
+
+    @property
+    def service(self) -> str:
+        """What the server serves: the name of its socket (``engine``, ``index``)."""
+        return self.address.rsplit("/", 1)[-1].removesuffix(".sock")
+
+    @property
+    def _name(self) -> str:
+        return f"the {self.service} process"
+
+    async def _call(
+        self, op: str, blobs: Blobs, timeout_s: float | None, args: dict[str, Any]
+    ) -> Reply:
+        call_id = next(self._ids)
+        future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        self._pending[call_id] = future
+        try:
+            header = _encode({"id": call_id, "op": op, **args})
+            try:
+                await self._sock.send_multipart([header, *blobs], flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                raise ServiceUnavailableError(
+                    f"{self._name} is not connected", self.service
+                ) from None
+            if timeout_s is None:
+                reply, frames = await future
+            else:
+                async with asyncio.timeout(timeout_s):
+                    reply, frames = await future
+        finally:
+            self._pending.pop(call_id, None)
+        error = reply.get("error")
+        if error is not None:
+            raise_payload(error)
+        return reply, frames
+
+    async def _receive(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            message = _decode(frames[0].bytes)
+            self._answered = time.monotonic()
+            if "sid" in message:
+                task = asyncio.create_task(self._answer(message))
+                self._tasks.append(task)
+                task.add_done_callback(self._tasks.remove)
+                continue
+            future = self._pending.get(message.get("id", -1))
+            if future is not None and not future.done():
+                future.set_result((message, frames[1:]))
+
+    async def _answer(self, message: dict[str, Any]) -> None:
+        try:
+            if self._on_request is None:
+                raise RemoteError(f"this process serves no {message.get('op')!r}")
+            reply = await self._on_request(message)
+        except Exception as exc:
+            reply = {"error": error_payload(exc)}
+        reply["sid"] = message["sid"]
+        with contextlib.suppress(zmq.ZMQError):
+            await self._sock.send_multipart([_encode(reply)], flags=zmq.NOBLOCK)
+
+    async def _ping(self) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                reply, _ = await self._call("ping", (), self._down_after_s, {})
+            except (TimeoutError, ServiceUnavailableError, RemoteError, zmq.ZMQError):
+                if self.up and time.monotonic() - self._answered > self._down_after_s:
+                    self._set_up(False)
+                    self._fail_pending(
+                        ServiceUnavailableError(f"{self._name} stopped answering", self.service)
+                    )
+                elif not self.up:
+                    self._fail_pending(
+                        ServiceUnavailableError(f"{self._name} is not answering", self.service)
+                    )
+            else:
+                self.facts = reply
+                if not self.up:
+                    self._set_up(True)
+            await asyncio.sleep(max(0.0, self._ping_s - (time.monotonic() - started)))
+
+    def _set_up(self, up: bool) -> None:
+        self.up = up
+        self.ups += up
+        log.log(
+            logging.INFO if up else logging.WARNING,
+            "%s %s",
+            self._name,
+            "answering" if up else "down",
+        )
+        self._changed.set()
+
+    def _fail_pending(self, error: Exception) -> None:
+        for future in list(self._pending.values()):
+            if not future.done():
+                future.set_exception(error)
+
+    async def _watch(self) -> None:
+        """A dropped connection (the owner died) marks the server down at once, without
+        waiting for pings to time out."""
+        monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED and self.up:
+                    self._set_up(False)
+                    self._fail_pending(
+                        ServiceUnavailableError(f"{self._name} went away", self.service)
+                    )
+        finally:
+            self._sock.disable_monitor()
+            monitor.close(linger=0)

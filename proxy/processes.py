@@ -1,0 +1,195 @@
+"""The processes of ``fleetcache serve`` and what each one runs (ARCHITECTURE.md, "Processes")::
+
+    supervisor (proxy.supervisor)  binds the port; starts, watches and restarts the others
+    engine      engine_main        EngineHost behind an RpcServer at <run dir>/engine.sock;
+                                   writes <run dir>/engine.json (its identity) before loading
+    index       index_main         IndexHost behind an RpcServer at <run dir>/index.sock
+    worker x N  worker_main        uvicorn on the shared listening socket, create_app(cluster)
+    job         demo_main          loads the demo fleet through the cache, the engine and the
+                                   index like any client, then marks the index ready
+
+Every child leaves the terminal's process group (Ctrl-C reaches the supervisor alone, which
+stops them in order) and is sent SIGTERM by the kernel if the supervisor dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import signal
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from engines.base import EngineInfo
+from features.synthetic import generate_fleet
+from proxy.board import Board
+from proxy.engine_host import RemoteEngine, build_engine, engine_handlers, open_engine_host
+from proxy.index_host import RemoteIndex, index_handlers, open_index_host
+from proxy.ipc import RpcServer, address
+from proxy.services import Cluster, Services, open_worker_services
+from proxy.settings import Settings
+
+log = logging.getLogger("fleetcache.proxy")
+DEMO_CHUNK = 250
+ENGINE_FILE = "engine.json"
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """What the supervisor hands a child (picklable, for the spawn start method)."""
+
+    settings: dict[str, Any]
+    run_dir: str
+    log_level: str = "info"
+
+    def load_settings(self) -> Settings:
+        return Settings.model_validate(self.settings)
+
+    def cluster(self, role: str = "worker") -> Cluster:
+        return Cluster(Path(self.run_dir), read_engine_info(Path(self.run_dir)), role)
+
+
+def read_engine_info(run_dir: Path) -> EngineInfo:
+    return EngineInfo(**json.loads((run_dir / ENGINE_FILE).read_text()))
+
+
+def setup_logging(level: str, role: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format=f"%(asctime)s %(levelname)s {role}[%(process)d] %(name)s: %(message)s",
+        force=True,
+    )
+
+
+def become_child(role: str, level: str) -> None:
+    """Leave the terminal's process group; die with the supervisor."""
+    setup_logging(level, role)
+    with contextlib.suppress(OSError):
+        os.setpgrp()
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _stop_event() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def _serve(server: RpcServer, stop: asyncio.Event) -> None:
+    task = asyncio.create_task(server.serve(), name=f"serve {server.address}")
+    try:
+        await stop.wait()
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        server.close()
+
+
+# -- engine ------------------------------------------------------------------------------
+
+
+def engine_main(spec: ChildSpec) -> None:
+    become_child("engine", spec.log_level)
+    asyncio.run(_engine(spec))
+
+
+async def _engine(spec: ChildSpec) -> None:
+    settings, run_dir = spec.load_settings(), Path(spec.run_dir)
+    stop = _stop_event()
+    engine = build_engine(settings)
+    info_file = run_dir / ENGINE_FILE
+    tmp = info_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(engine.info)))
+    tmp.replace(info_file)  # the supervisor starts the others once it reads this
+    board = Board("engine", run_dir / "boards")
+    async with open_engine_host(settings, board, engine) as host:
+        server = RpcServer(address(run_dir, "engine"), {})
+        server.handlers.update(engine_handlers(host, server))
+        log.info("engine process serving at %s", server.address)
+        await _serve(server, stop)
+    board.close()
+
+
+# -- fleet index ---------------------------------------------------------------------------
+
+
+def index_main(spec: ChildSpec) -> None:
+    become_child("index", spec.log_level)
+    asyncio.run(_index(spec))
+
+
+async def _index(spec: ChildSpec) -> None:
+    settings, run_dir = spec.load_settings(), Path(spec.run_dir)
+    stop = _stop_event()
+    info = read_engine_info(run_dir)
+    board = Board("index", run_dir / "boards")
+    async with open_index_host(settings, board, info.dim) as host:
+        server = RpcServer(address(run_dir, "index"), index_handlers(host))
+        log.info("index process serving at %s", server.address)
+        await _serve(server, stop)
+    board.close()
+
+
+# -- HTTP workers --------------------------------------------------------------------------
+
+
+def worker_main(spec: ChildSpec, host: str, port: int) -> None:
+    import uvicorn
+
+    from proxy.app import create_app
+    from proxy.supervisor import bind_socket
+
+    become_child("worker", spec.log_level)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # uvicorn installs its own handlers
+    sock = bind_socket(host, port)
+    app = create_app(spec.load_settings(), cluster=spec.cluster(), freeze_gc=True)
+    config = uvicorn.Config(
+        app, log_level=spec.log_level, timeout_graceful_shutdown=30, log_config=None
+    )
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+# -- the demo fleet ------------------------------------------------------------------------
+
+
+async def load_demo_fleet(services: Services, n: int, seed: int) -> None:
+    drivers = await asyncio.to_thread(generate_fleet, n, seed)
+    embedded = 0
+    for start in range(0, n, DEMO_CHUNK):
+        _, result = await services.upsert_drivers(drivers[start : start + DEMO_CHUNK], "warmup")
+        embedded += result.misses
+        log.info(
+            "demo fleet: %d/%d drivers indexed (%d embedded, rest cached)",
+            min(start + DEMO_CHUNK, n),
+            n,
+            embedded,
+        )
+    await services.index.set_ready()
+
+
+def demo_main(spec: ChildSpec) -> None:
+    become_child("job", spec.log_level)
+    asyncio.run(_demo(spec))
+
+
+async def _demo(spec: ChildSpec) -> None:
+    settings = spec.load_settings()
+    async with open_worker_services(settings, spec.cluster("job")) as services:
+        for name, client in (("engine", services.engine), ("index", services.index)):
+            assert isinstance(client, RemoteEngine | RemoteIndex)
+            while not await client.client.wait_up(60.0):
+                log.info("demo fleet: waiting for the %s process", name)
+        if not services.index.ready:
+            await load_demo_fleet(services, settings.demo_drivers, settings.demo_seed)

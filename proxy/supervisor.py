@@ -1,0 +1,238 @@
+"""``fleetcache serve``: one port, a few processes, supervised (ARCHITECTURE.md, "Processes").
+
+Start: the listening socket is bound here, once; the engine process starts first and writes
+its identity (fingerprint, dimension) before it loads the model; then the fleet index owner,
+the HTTP workers (each serving the same socket: the kernel spreads connections over them) and,
+with a demo fleet, the job that loads it. ``/readyz`` is 503 on every worker until the engine
+is warm and the index is loaded.
+
+While running: a process that exits is started again (its slot's restart count grows, shown
+in ``/v1/stats`` ``processes``); one that keeps dying right after it starts waits longer each
+time, up to ``MAX_BACKOFF_S``. With the engine down the workers still serve hits and answer
+misses with 503; with the index down, fleet and dispatch calls get 503; both come back by
+themselves. The demo job runs again whenever the index owner restarts.
+
+Stop (SIGTERM or Ctrl-C): the workers first (they stop accepting and finish what they hold),
+then the jobs, the engine (its batch in flight finishes and is written back) and the index
+last (it saves its snapshot). Whatever does not stop within its grace is killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+from proxy.board import ENGINE_SLOT, INDEX_SLOT, Board
+from proxy.processes import ENGINE_FILE, ChildSpec, demo_main, engine_main, index_main, worker_main
+from proxy.settings import Settings
+
+log = logging.getLogger("fleetcache.supervisor")
+MAX_BACKOFF_S = 10.0
+QUICK_DEATH_S = 5.0  # a process that dies sooner than this after its start is backed off
+STOP_GRACE_S = {"worker": 35.0, "job": 10.0, "engine": 30.0, "index": 60.0}
+
+
+def auto_workers(cores: int | None = None) -> int:
+    """``FLEETCACHE_WORKERS=auto``: HTTP workers for this machine's cores (docs/BENCHMARKS.md
+    has the runs behind it). One core stays with the engine process; on two cores one worker
+    measured no slower than two."""
+    cores = cores or os.cpu_count() or 1
+    return max(1, min(16, (cores - 1) // 2 if cores > 2 else 1))
+
+
+@dataclass
+class Slot:
+    """One process the supervisor keeps running."""
+
+    role: str
+    board_slot: int
+    start: Callable[[], BaseProcess]
+    process: BaseProcess | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+    backoff_s: float = 0.0
+    retry_at: float = 0.0
+    wanted: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Supervisor:
+    def __init__(
+        self, settings: Settings, *, host: str, port: int, workers: int, log_level: str = "info"
+    ) -> None:
+        self.settings = settings
+        self.host = host
+        self.port = port
+        self.workers = workers
+        self.log_level = log_level
+        self._ctx = multiprocessing.get_context("spawn")
+        self._stopping = False
+        self.slots: list[Slot] = []
+
+    def run(self) -> int:
+        run_dir = Path(tempfile.mkdtemp(prefix="fleetcache-"))
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+        for sig in previous:
+            signal.signal(sig, self._on_signal)
+        try:
+            return self._run(run_dir)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if not self._stopping:
+            log.info("%s: stopping", signal.Signals(signum).name)
+        self._stopping = True
+
+    def _run(self, run_dir: Path) -> int:
+        board = Board("supervisor", run_dir / "boards")
+        spec = ChildSpec(self.settings.model_dump(mode="json"), str(run_dir), self.log_level)
+        check_port(self.host, self.port)  # fail here, clearly, before anything starts
+        ctx = self._ctx
+
+        def child(target: Callable[..., None], name: str, *args: Any) -> Callable[[], BaseProcess]:
+            return lambda: ctx.Process(target=target, args=(spec, *args), name=name)
+
+        engine = Slot("engine", ENGINE_SLOT, child(engine_main, "fleetcache-engine"))
+        self._start(engine, board)
+        if not self._wait_for_file(run_dir / ENGINE_FILE, engine):
+            self._stop_all(board)
+            return 1
+        index = Slot("index", INDEX_SLOT, child(index_main, "fleetcache-index"))
+        self.slots = [engine, index]
+        self._start(index, board)
+        for i in range(self.workers):
+            name = f"fleetcache-worker-{i}"
+            worker = Slot("worker", i, child(worker_main, name, self.host, self.port))
+            self.slots.append(worker)
+            self._start(worker, board)
+        demo = None
+        if self.settings.demo_drivers:
+            demo = Slot("job", -1, child(demo_main, "fleetcache-demo"))
+            self.slots.append(demo)
+            self._start(demo, board)
+        log.info(
+            "serving http://%s:%d with %d workers (engine pid %s, index pid %s)",
+            self.host,
+            self.port,
+            self.workers,
+            engine.process.pid if engine.process else "?",
+            index.process.pid if index.process else "?",
+        )
+        try:
+            self._watch(board, index, demo)
+        finally:
+            self._stop_all(board)
+            board.close()
+        return 0
+
+    def _watch(self, board: Board, index: Slot, demo: Slot | None) -> None:
+        while not self._stopping:
+            sentinels = [s.process.sentinel for s in self.slots if s.process is not None]
+            multiprocessing.connection.wait(sentinels, timeout=0.5)
+            now = time.monotonic()
+            for slot in self.slots:
+                process = slot.process
+                if process is not None and process.exitcode is not None:
+                    self._exited(slot, now)
+                    if slot is index and demo is not None:  # its demo fleet must be redone
+                        demo.wanted = True
+                if slot.process is None and slot.wanted and now >= slot.retry_at:
+                    if self._stopping:
+                        break
+                    slot.restarts += slot.role != "job"
+                    self._start(slot, board)
+
+    def _exited(self, slot: Slot, now: float) -> None:
+        process = slot.process
+        assert process is not None
+        code = process.exitcode
+        process.close()
+        slot.process = None
+        if slot.role == "job" and code == 0:
+            slot.wanted = False  # done
+            log.info("demo fleet loaded")
+            return
+        if self._stopping:
+            return
+        quick = now - slot.started_at < QUICK_DEATH_S
+        slot.backoff_s = min(MAX_BACKOFF_S, max(0.5, slot.backoff_s * 2)) if quick else 0.0
+        slot.retry_at = now + slot.backoff_s
+        log.warning(
+            "%s %s exited with %s; restarting%s",
+            slot.role,
+            "" if slot.board_slot < 0 else slot.board_slot,
+            code,
+            f" in {slot.backoff_s:.1f} s" if slot.backoff_s else "",
+        )
+
+    def _start(self, slot: Slot, board: Board) -> None:
+        process = slot.start()
+        process.start()
+        slot.process, slot.started_at = process, time.monotonic()
+        if slot.board_slot >= 0:
+            board.process(slot.board_slot, process.pid or 0, slot.restarts)
+
+    def _wait_for_file(self, path: Path, slot: Slot) -> bool:
+        """Until the engine wrote its identity (it builds the engine first), or it died."""
+        while not path.exists():
+            if self._stopping or (slot.process is not None and slot.process.exitcode is not None):
+                log.error("the engine process exited before it started (see its log above)")
+                return False
+            time.sleep(0.05)
+        return True
+
+    def _stop_all(self, board: Board) -> None:
+        self._stopping = True
+        for role in ("worker", "job", "engine", "index"):
+            stopping = [s for s in self.slots if s.role == role and s.process is not None]
+            for slot in stopping:
+                assert slot.process is not None
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(slot.process.pid or 0, signal.SIGTERM)
+            deadline = time.monotonic() + STOP_GRACE_S[role]
+            for slot in stopping:
+                process = slot.process
+                assert process is not None
+                process.join(max(0.0, deadline - time.monotonic()))
+                if process.exitcode is None:
+                    log.warning("%s pid %s did not stop in time: killed", role, process.pid)
+                    process.kill()
+                    process.join(5)
+                slot.process = None
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """One worker's listening socket. SO_REUSEPORT: every worker binds its own on the same
+    port and the kernel spreads new connections over them; a worker that dies leaves the
+    group, its replacement joins it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
+
+
+def check_port(host: str, port: int) -> None:
+    """OSError (address in use, no such address) unless ``host:port`` can be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host, port))
