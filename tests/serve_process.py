@@ -1,0 +1,104 @@
+"""``fleetcache serve`` as a real process tree for tests: supervisor, engine, index, workers.
+
+``FleetcacheServer(tmp_path, workers=2, **settings).start()`` runs the CLI on a free loopback
+port with the fake engine and waits for ``/readyz``; ``stop()`` sends SIGTERM (as an operator
+would) and waits for the whole tree to exit. ``pids()`` reads ``/v1/stats`` ``processes``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.conftest import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class FleetcacheServer:
+    def __init__(self, workdir: Path, *, workers: int = 2, **settings: Any) -> None:
+        self.workdir = workdir
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.workers = workers
+        self.env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("FLEETCACHE_")},
+            "PYTHONPATH": str(REPO),
+            "HF_HUB_OFFLINE": "1",
+            "FLEETCACHE_ENGINE": "fake",
+            "FLEETCACHE_DATA_DIR": str(workdir / "data"),
+            "FLEETCACHE_MAX_DELAY_MS": "1",
+            "FLEETCACHE_MEMORY_CACHE_MB": "16",
+            "FLEETCACHE_LMDB_MAP_SIZE_GB": "0.25",
+            **{f"FLEETCACHE_{k.upper()}": str(v) for k, v in settings.items()},
+        }
+        self.log = workdir / "serve.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 90.0) -> FleetcacheServer:
+        command = [sys.executable, "-m", "proxy.cli", "serve", "--port", str(self.port)]
+        command += ["--workers", str(self.workers), "--log-level", "warning"]
+        with self.log.open("ab") as log:
+            self.process = subprocess.Popen(
+                command, cwd=self.workdir, env=self.env, stdout=log, stderr=subprocess.STDOUT
+            )
+        self.wait_ready(timeout_s)
+        return self
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        last = ""
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise AssertionError(f"fleetcache serve exited:\n{self.log.read_text()}")
+            with contextlib.suppress(httpx.TransportError):
+                response = httpx.get(f"{self.url}/readyz", timeout=2)
+                if response.status_code == 200:
+                    return
+                last = response.text
+            time.sleep(0.1)
+        raise AssertionError(f"not ready after {timeout_s} s: {last}\n{self.log.read_text()}")
+
+    def stats(self) -> dict[str, Any]:
+        response = httpx.get(f"{self.url}/v1/stats", timeout=10)
+        assert response.status_code == 200, response.text
+        return dict(response.json())
+
+    def pids(self) -> dict[str, Any]:
+        return dict(self.stats()["processes"])
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        process, self.process = self.process, None
+        if process is None:
+            return 0
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+        try:
+            return process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+            raise AssertionError(f"serve did not stop in {timeout_s} s:\n{self.log.read_text()}")
+
+    def __enter__(self) -> FleetcacheServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

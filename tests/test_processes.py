@@ -1,0 +1,216 @@
+"""``fleetcache serve`` as it runs: a supervisor, the engine process, the fleet index owner and
+two HTTP workers on one port (the fake engine; real processes, real sockets).
+
+What a client relies on (API.md v1.1, "Processes"): the server answers as one (an identical
+text in flight through any worker is computed once; every count sums over the processes; a
+change through one worker is seen through any other) and it keeps serving while a worker or the
+engine process dies and comes back.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.serve_process import FleetcacheServer, alive
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def post(url: str, path: str, body: dict[str, Any], **headers: str) -> httpx.Response:
+    """On a new connection each time, so that requests spread over the workers."""
+    with httpx.Client(base_url=url, timeout=30) as client:
+        return client.post(path, json=body, headers=headers)
+
+
+def embed(url: str, texts: list[str]) -> httpx.Response:
+    return post(url, "/v1/embeddings", {"input": texts})
+
+
+def requests_by_worker(server: FleetcacheServer) -> dict[int, int]:
+    return {w["pid"]: w["requests"] for w in server.pids()["workers"]}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetcacheServer]:
+    # each forward sleeps 1.5 s: a batch stays in the engine while 50 clients connect
+    with FleetcacheServer(
+        tmp_path_factory.mktemp("serve"), workers=2, fake_delay_ms=1500, demo_drivers=100
+    ) as s:
+        yield s
+
+
+def test_one_new_text_through_fifty_connections_is_computed_once(
+    server: FleetcacheServer,
+) -> None:
+    before, served_before = server.stats(), requests_by_worker(server)
+    with ThreadPoolExecutor(50) as pool:
+        responses = list(pool.map(lambda _: embed(server.url, ["a brand new text"]), range(50)))
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    assert sum(int(r.headers["X-Cache-Misses"]) for r in responses) == 1
+    assert sum(int(r.headers["X-Cache-Hits"]) for r in responses) == 49
+    after = server.stats()
+    assert after["inference"]["items"] - before["inference"]["items"] == 1
+    assert after["cache"]["misses"] - before["cache"]["misses"] == 1
+    assert after["cache"]["coalesced"] - before["cache"]["coalesced"] == 49
+    served = requests_by_worker(server)
+    assert len(served) == 2
+    assert all(served[pid] > served_before.get(pid, 0) for pid in served)  # both took some
+
+    # repeats through both workers: every one a hit, summed over the workers
+    hits_before = after["cache"]["hits"]
+    with ThreadPoolExecutor(8) as pool:
+        repeats = list(pool.map(lambda _: embed(server.url, ["a brand new text"]), range(40)))
+    assert all(r.headers["X-Cache-Hits"] == "1" for r in repeats)
+    final = server.stats()
+    assert final["cache"]["hits"] - hits_before == 40
+    assert final["inference"]["items"] == after["inference"]["items"]
+    served_after = requests_by_worker(server)
+    assert all(served_after[pid] > served[pid] for pid in served)
+
+
+def test_items_equal_misses_after_any_mix(server: FleetcacheServer) -> None:
+    texts = [f"mix {i % 13}" for i in range(60)]
+    with ThreadPoolExecutor(12) as pool:
+        responses = list(pool.map(lambda i: embed(server.url, texts[i : i + 7]), range(0, 60, 3)))
+    assert all(r.status_code == 200 for r in responses)
+    stats = server.stats()
+    assert stats["inference"]["items"] == stats["cache"]["misses"]
+    looked_up = stats["cache"]["hits"] + stats["cache"]["coalesced"] + stats["cache"]["misses"]
+    assert looked_up == sum(c["hits"] + c["misses"] for c in stats["by_caller"].values())
+    assert stats["cache"]["in_flight"] == 0
+
+
+def test_a_patch_through_one_worker_is_seen_by_recommends_through_all(
+    server: FleetcacheServer,
+) -> None:
+    driver_id = "D000007"
+    moved = {"position": {"lat": -47.5, "lng": -120.25}, "status": "available"}  # open ocean
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        assert client.patch(f"/v1/fleet/drivers/{driver_id}", json=moved).status_code == 200
+    order = {"order_id": "O1", "pickup": {"lat": -47.5, "lng": -120.25}, "radius_km": 1}
+    with ThreadPoolExecutor(20) as pool:
+        answers = list(
+            pool.map(lambda _: post(server.url, "/v1/dispatch/recommend", order), range(20))
+        )
+    for answer in answers:
+        assert answer.status_code == 200, answer.text
+        assert [c["driver_id"] for c in answer.json()["candidates"]] == [driver_id]
+
+
+def test_an_invalidation_reaches_every_workers_memory(tmp_path: Path) -> None:
+    record = {
+        "driver_id": "D1",
+        "status": "available",
+        "position": {"lat": 31.2, "lng": 121.4},
+        "vehicle": {
+            "vehicle_id": "V1",
+            "type": "van",
+            "energy": "electric",
+            "capacity_kg": 1200,
+            "cargo_volume_m3": 8.5,
+            "cargo_height_m": 1.7,
+        },
+    }
+    admin = {"Authorization": "Bearer secret"}
+    with FleetcacheServer(tmp_path, workers=2, admin_token="secret") as server:
+        for _ in range(6):
+            for _ in range(12):  # through both workers: in both memory tiers
+                response = post(server.url, "/v1/features/embed", {"drivers": [record]})
+                assert response.status_code == 200, response.text
+            with httpx.Client(base_url=server.url, headers=admin) as client:
+                assert client.delete("/v1/cache/entities/driver/D1").status_code == 200
+            # wherever the next request lands, its vector is gone: the engine computes it
+            response = post(server.url, "/v1/features/embed", {"drivers": [record]})
+            assert response.json()["misses"] == 1, "a worker served a dropped vector"
+
+
+def test_a_killed_worker_is_replaced_while_the_other_serves(tmp_path: Path) -> None:
+    with FleetcacheServer(tmp_path, workers=2) as server:
+        assert embed(server.url, ["warm"]).status_code == 200
+        failures: list[str] = []
+        served = 0
+        stop = threading.Event()
+
+        def load() -> None:
+            nonlocal served
+            while not stop.is_set():
+                try:
+                    response = embed(server.url, ["warm"])
+                    if response.status_code == 200:
+                        served += 1
+                    else:
+                        failures.append(response.text)
+                except httpx.TransportError as exc:  # only a request the dead worker held
+                    failures.append(repr(exc))
+
+        thread = threading.Thread(target=load)
+        thread.start()
+        try:
+            time.sleep(0.5)
+            victim = server.pids()["workers"][0]["pid"]
+            os.kill(victim, signal.SIGKILL)
+            deadline = time.monotonic() + 15
+            replaced = None
+            while time.monotonic() < deadline and replaced is None:
+                slot = server.pids()["workers"][0]
+                if slot["pid"] != victim and slot["requests"] > 0:
+                    replaced = slot
+                time.sleep(0.2)
+        finally:
+            stop.set()
+            thread.join()
+        assert replaced is not None, "no replacement served within 15 s"
+        assert replaced["restarts"] == 1
+        assert not alive(victim)
+        assert served > 20
+        assert len(failures) <= 1, failures  # at most the one request in the killed worker
+
+
+def test_hits_are_served_while_the_engine_process_is_down(tmp_path: Path) -> None:
+    with FleetcacheServer(tmp_path, workers=2) as server:
+        assert embed(server.url, ["cached before"]).status_code == 200
+        engine_pid = server.pids()["engine"]["pid"]
+        os.kill(engine_pid, signal.SIGKILL)
+        time.sleep(0.3)
+        for _ in range(10):
+            assert embed(server.url, ["cached before"]).status_code == 200
+        refused = embed(server.url, ["never seen"])
+        assert refused.status_code == 503
+        assert refused.json()["error"]["type"] == "engine_unavailable"
+        assert refused.headers["Retry-After"] == "1"
+        assert httpx.get(f"{server.url}/readyz").status_code == 503
+        deadline = time.monotonic() + 30
+        while embed(server.url, ["never seen"]).status_code != 200:
+            assert time.monotonic() < deadline, "the engine process did not come back"
+            time.sleep(0.2)
+        server.wait_ready()
+        processes = server.pids()
+        assert processes["engine"]["pid"] != engine_pid
+        assert processes["engine"]["restarts"] == 1
+        stats = server.stats()
+        assert stats["inference"]["items"] == stats["cache"]["misses"]
+
+
+def test_sigterm_finishes_requests_in_flight_and_keeps_the_fleet(tmp_path: Path) -> None:
+    server = FleetcacheServer(tmp_path, workers=1, fake_delay_ms=1500, demo_drivers=50).start()
+    outcome: list[httpx.Response] = []
+    slow = threading.Thread(target=lambda: outcome.append(embed(server.url, ["slow new text"])))
+    slow.start()
+    time.sleep(0.4)  # in the engine now
+    assert server.stop() == 0
+    slow.join()
+    assert outcome and outcome[0].status_code == 200, outcome
+    # the index saved its snapshot on the way out: a new server starts with the fleet
+    again = FleetcacheServer(tmp_path, workers=1, demo_drivers=0)
+    with again:
+        assert again.stats()["fleet"]["drivers"] == 50
