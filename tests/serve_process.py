@@ -87,7 +87,9 @@ class FleetcacheServer:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(10)
-            raise AssertionError(f"serve did not stop in {timeout_s} s:\n{self.log.read_text()}")
+            raise AssertionError(
+                f"serve did not stop in {timeout_s} s:\n{self.log.read_text()}"
+            ) from None
 
     def __enter__(self) -> FleetcacheServer:
         return self.start()
