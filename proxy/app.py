@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engines.base import Engine
 from proxy.errors import install_error_handlers
+from proxy.jobs import ProcessJobs
 from proxy.processes import load_demo_fleet
 from proxy.routes import cache, dispatch, embeddings, features, fleet, ops, warmup
 from proxy.services import Cluster, Services, open_local_services, open_worker_services
@@ -155,7 +156,7 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.services = None
         app.state.startup_error = None
-        app.state.jobs = WarmupJobs()
+        app.state.jobs = WarmupJobs() if cluster is None else ProcessJobs(settings, cluster.run_dir)
         stop = asyncio.Event()
         task = asyncio.create_task(run_services(app, settings, engine, cluster, stop, freeze_gc))
         try:

@@ -20,6 +20,7 @@ last (it saves its snapshot). Whatever does not stop within its grace is killed.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -30,12 +31,13 @@ import socket
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
 from proxy.board import ENGINE_SLOT, INDEX_SLOT, Board
+from proxy.jobs import SPEC_FILE, stop_jobs
 from proxy.processes import ENGINE_FILE, ChildSpec, demo_main, engine_main, index_main, worker_main
 from proxy.settings import Settings
 
@@ -84,6 +86,7 @@ class Supervisor:
 
     def run(self) -> int:
         run_dir = Path(tempfile.mkdtemp(prefix="fleetcache-"))
+        self._run_name = run_dir.name
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
         for sig in previous:
             signal.signal(sig, self._on_signal)
@@ -102,6 +105,7 @@ class Supervisor:
     def _run(self, run_dir: Path) -> int:
         board = Board("supervisor", run_dir / "boards")
         spec = ChildSpec(self.settings.model_dump(mode="json"), str(run_dir), self.log_level)
+        (run_dir / SPEC_FILE).write_text(json.dumps(asdict(spec)))  # for warm-up jobs
         check_port(self.host, self.port)  # fail here, clearly, before anything starts
         ctx = self._ctx
 
@@ -200,6 +204,8 @@ class Supervisor:
     def _stop_all(self, board: Board) -> None:
         self._stopping = True
         for role in ("worker", "job", "engine", "index"):
+            if role == "job":  # warm-up jobs too (they keep their checkpoint)
+                stop_jobs(self.settings, self._run_name, STOP_GRACE_S["job"])
             stopping = [s for s in self.slots if s.role == role and s.process is not None]
             for slot in stopping:
                 assert slot.process is not None

@@ -16,6 +16,7 @@ embedded twice.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import json
@@ -224,7 +225,8 @@ async def _abandon(tasks: list[asyncio.Task[tuple[int, int, int]]]) -> None:
 
 
 class LocalSink:
-    """Straight into this process's services (the CLI's direct mode and the API's jobs).
+    """Straight into ``services`` (the CLI's direct mode, the API's jobs: in one process, or
+    the job process of a server).
 
     A chunk goes to the cache in calls of at most ``slice_size`` records ("slices"); their
     texts are rendered in a thread. A driver id already in an unfinished slice waits for
@@ -238,7 +240,9 @@ class LocalSink:
     e.g. a CPU engine keeping every core busy): asyncio's ready queue
     is first come first served, so every warm-up step queued before a dispatch request's
     next step delays it. Measured (fake engine, 2 cores): with ~100 slices in flight a
-    yield took 3.5 ms at p50 and 30 ms at p99 during a warm-up, 0.2/0.8 ms idle.
+    yield took 3.5 ms at p50 and 30 ms at p99 during a warm-up, 0.2/0.8 ms idle. A job in its
+    own process shares no loop with dispatch (``max_lag_s=None``: no such wait) and learns of
+    dispatch traffic from ``dispatch_lookups`` (the whole server's count, from the boards).
     """
 
     def __init__(
@@ -247,11 +251,13 @@ class LocalSink:
         slice_size: int = 64,
         *,
         live_s: float = 1.0,
-        max_lag_s: float = 0.002,
+        max_lag_s: float | None = 0.002,
         max_wait_s: float = 0.05,
         clock: Callable[[], float] = time.monotonic,
+        dispatch_lookups: Callable[[], int] | None = None,
     ) -> None:
         self.services = services
+        self._dispatch_lookups = dispatch_lookups or (lambda: services.embedder.dispatch_lookups)
         self.slice_size = slice_size
         self.live_s = live_s
         self.max_lag_s = max_lag_s
@@ -285,7 +291,7 @@ class LocalSink:
     def dispatch_live(self) -> bool:
         """Whether a lookup by any caller but ``warmup`` happened in the last ``live_s``
         seconds."""
-        lookups = self.services.embedder.dispatch_lookups
+        lookups = self._dispatch_lookups()
         now = self._clock()
         if self._dispatch_seen is None:  # those before the job started tell nothing
             self._dispatch_seen = (lookups, float("-inf"))
@@ -300,7 +306,11 @@ class LocalSink:
             if len(self._slices) >= self.paced_slices:
                 self._slice_done.clear()
                 await self._slice_done.wait()
-            elif lag_waited < self.max_wait_s and await _loop_lag() > self.max_lag_s:
+            elif (
+                self.max_lag_s is not None
+                and lag_waited < self.max_wait_s
+                and await _loop_lag() > self.max_lag_s
+            ):
                 await asyncio.sleep(self.max_lag_s)
                 lag_waited += self.max_lag_s
             else:
@@ -336,14 +346,56 @@ async def _loop_lag() -> float:
 
 
 class RemoteSink:
-    """Through a running proxy: ``PUT /v1/fleet/drivers`` as caller ``warmup``."""
+    """Through a running proxy: ``PUT /v1/fleet/drivers`` as caller ``warmup``.
 
-    def __init__(self, client: httpx.AsyncClient) -> None:
+    A busy or restarting server is waited for, not given up on: 429 and 503 are retried after
+    their ``Retry-After`` (else a backoff from ``first_wait_s`` doubling to ``max_wait_s``),
+    and so is a connection the server dropped or refused (it restarts), until ``give_up_s``
+    of waiting in a row. Rows are only counted done once the server answered 200 for them.
+    """
+
+    RETRIED = frozenset({429, 502, 503, 504})
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        *,
+        first_wait_s: float = 0.5,
+        max_wait_s: float = 10.0,
+        give_up_s: float = 300.0,
+        sleep: Callable[[float], Any] = asyncio.sleep,
+    ) -> None:
         self.client = client
+        self.first_wait_s = first_wait_s
+        self.max_wait_s = max_wait_s
+        self.give_up_s = give_up_s
+        self.retries = 0
+        self._sleep = sleep
+
+    async def _put(self, body: dict[str, Any]) -> httpx.Response:
+        backoff, waited = self.first_wait_s, 0.0
+        while True:
+            try:
+                response = await self.client.put("/v1/fleet/drivers", json=body)
+            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as exc:
+                why, wait = f"connection failed ({type(exc).__name__})", backoff
+            else:
+                if response.status_code not in self.RETRIED:
+                    return response
+                why, wait = f"the proxy answered {response.status_code}", backoff
+                retry_after = response.headers.get("Retry-After", "")
+                if retry_after.replace(".", "", 1).isdigit():
+                    wait = min(float(retry_after), self.max_wait_s)
+            if waited + wait > self.give_up_s:
+                raise RuntimeError(f"{why}; still failing after {waited:.0f} s of retries")
+            self.retries += 1
+            await self._sleep(wait)
+            waited += wait
+            backoff = min(backoff * 2, self.max_wait_s)
 
     async def upsert(self, records: list[DriverRecord]) -> tuple[int, int, int]:
         body = {"drivers": [r.model_dump(mode="json") for r in records]}
-        response = await self.client.put("/v1/fleet/drivers", json=body)
+        response = await self._put(body)
         if response.status_code != 200:
             raise RuntimeError(f"the proxy answered {response.status_code}: {response.text}")
         embedded, cached = (int(response.headers[h]) for h in ("X-Cache-Misses", "X-Cache-Hits"))
@@ -367,14 +419,17 @@ class WarmupJobs:
         self._jobs: dict[str, _Job] = {}
         self._ids = itertools.count(1)
 
-    def start(self, services: Services, path: Path, *, chunk_size: int = 500) -> str:
+    def start(
+        self, services: Services, path: Path, *, chunk_size: int = 500, upload: bool = False
+    ) -> str:
+        """Start a job over ``path`` (an uploaded body when ``upload``: removed at the end)."""
         job_id = f"w{next(self._ids)}-{int(time.time())}"
-        job = _Job(WarmupProgress(source=str(path)))
+        job = _Job(WarmupProgress(source=shown_source(path, services.settings)))
         rejects_file = services.settings.data_dir / "warmup" / f"{job_id}.rejects.jsonl"
         rejects_file.parent.mkdir(parents=True, exist_ok=True)
 
         async def run() -> WarmupProgress:
-            with rejects_file.open("w") as rejects:
+            with rejects_file.open("w") as rejects, _removed_after(path if upload else None):
                 return await run_warmup(
                     path,
                     LocalSink(services),
@@ -412,6 +467,22 @@ class WarmupJobs:
             job.cancel_requested = True
         tasks = [job.task for job in self._jobs.values() if job.task is not None]
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def shown_source(path: Path, settings: Any) -> str:
+    """A job's file as its answers show it: relative to the data dir (no server paths)."""
+    with contextlib.suppress(ValueError):
+        return str(path.resolve().relative_to(settings.data_dir.resolve()))
+    return path.name
+
+
+@contextlib.contextmanager
+def _removed_after(path: Path | None) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        if path is not None:
+            path.unlink(missing_ok=True)
 
 
 def _log_failure(task: asyncio.Task[WarmupProgress]) -> None:

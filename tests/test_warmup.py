@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
@@ -22,6 +24,7 @@ from features.readers import write_records
 from features.synthetic import generate_fleet
 from features.text import driver_text
 from proxy.cli import app as cli
+from proxy.warmup import RemoteSink
 from tests.conftest import make_settings, open_client, wait_ready
 
 REPO = Path(__file__).resolve().parents[1]
@@ -225,3 +228,51 @@ def test_coverage_of_a_roster(tmp_path: Path) -> None:
         wait_ready(client)
         result = client.post("/v1/coverage", json={"driver_ids": roster}).json()
         assert (result["known"], result["cached"]) == (10, 0)
+
+
+def test_remote_sink_waits_out_429_503_and_a_restart() -> None:
+    """API.md v1.1: ``fleetcache warmup --url`` retries after Retry-After instead of aborting."""
+    answers = iter(
+        [
+            httpx.Response(429, headers={"Retry-After": "2"}),
+            httpx.ConnectError("refused"),  # the server restarting
+            httpx.Response(503, headers={"Retry-After": "1"}),
+            httpx.Response(
+                200, json={"upserted": 3}, headers={"X-Cache-Misses": "2", "X-Cache-Hits": "1"}
+            ),
+        ]
+    )
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    waits: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        waits.append(seconds)
+
+    async def scenario() -> tuple[int, int, int]:
+        transport = httpx.MockTransport(handler)
+        async with httpx.AsyncClient(transport=transport, base_url="http://fleet") as client:
+            sink = RemoteSink(client, first_wait_s=0.5, sleep=sleep)
+            return await sink.upsert(generate_fleet(3))
+
+    assert asyncio.run(scenario()) == (3, 2, 1)
+    assert waits == [2.0, 1.0, 1.0]  # Retry-After, then the doubled backoff, then Retry-After
+
+
+def test_remote_sink_gives_up_after_its_bound() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(503, headers={"Retry-After": "30"})
+
+    async def scenario() -> None:
+        transport = httpx.MockTransport(handler)
+        async with httpx.AsyncClient(transport=transport, base_url="http://fleet") as client:
+            sink = RemoteSink(client, max_wait_s=10, give_up_s=60, sleep=lambda s: asyncio.sleep(0))
+            await sink.upsert(generate_fleet(1))
+
+    with pytest.raises(RuntimeError, match="503; still failing after 60 s"):
+        asyncio.run(scenario())

@@ -63,7 +63,7 @@ async def start_warmup(request: Request, services: ServicesDep, jobs: JobsDep) -
         with upload.open("wb") as out:
             async for block in request.stream():
                 out.write(block)
-        path, chunk_size = upload, 500
+        path, chunk_size, uploaded = upload, 500, True
     else:
         raw = await request.body()
         try:
@@ -74,8 +74,8 @@ async def start_warmup(request: Request, services: ServicesDep, jobs: JobsDep) -
                 f"send {{'path': ...}} as JSON or a JSONL body ({JSONL_TYPES[0]}): {exc}",
                 param="path",
             ) from None
-        path, chunk_size = server_path(services, body.path), body.chunk_size
-    job_id = jobs.start(services, path, chunk_size=chunk_size)
+        path, chunk_size, uploaded = server_path(services, body.path), body.chunk_size, False
+    job_id = jobs.start(services, path, chunk_size=chunk_size, upload=uploaded)
     progress = jobs.get(job_id)
     assert progress is not None
     return job_json(job_id, progress)

@@ -1,0 +1,261 @@
+"""Warm-up jobs of ``fleetcache serve``, each in a process of its own (ARCHITECTURE.md).
+
+A job reads, validates and renders its file and writes the cache off the serving processes:
+the HTTP workers only start it and read its progress. It is a client of the engine process
+(misses on the warm-up lane, below every dispatch miss) and of the fleet index owner, like a
+worker, and runs at a lower CPU priority than the workers (``nice``), so that cached dispatch
+lookups keep their cores.
+
+Its state lives in files under ``<data dir>/warmup/jobs/`` (kept across restarts)::
+
+    <id>.json      the progress (``WarmupProgress``) plus pid, server and parameters,
+                   replaced atomically about twice a second by the job
+    <id>.cancel    present: stop at the next chunk (the checkpoint keeps the place)
+
+Any worker answers ``GET /v1/warmup/{id}`` from the file. A job whose process is gone while
+its file says ``queued`` or ``running`` (the server was stopped or died) reads as ``failed``
+("server restarted"); the same POST resumes it from its checkpoint. A job started from an
+uploaded body removes the upload when it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any
+
+from proxy.board import Boards
+from proxy.settings import Settings
+from proxy.warmup import WarmupProgress, shown_source
+
+log = logging.getLogger("fleetcache.warmup")
+SPEC_FILE = "spec.json"  # written by the supervisor into the run dir: what a job is told
+NICE = 10
+PROGRESS_EVERY_S = 0.5
+_PROGRESS_FIELDS = {f.name for f in fields(WarmupProgress)}
+_PATH = re.compile(r"(?:/[^/\s'\"]+)+/?")
+
+
+def jobs_dir(settings: Settings) -> Path:
+    return settings.data_dir / "warmup" / "jobs"
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class ProcessJobs:
+    """The worker's view of the server's jobs: the same surface as ``WarmupJobs``."""
+
+    def __init__(self, settings: Settings, run_dir: Path) -> None:
+        self.settings = settings
+        self.run_dir = run_dir
+        self.server = run_dir.name  # which server run a job file belongs to
+        self.dir = jobs_dir(settings)
+
+    def start(
+        self, services: Any, path: Path, *, chunk_size: int = 500, upload: bool = False
+    ) -> str:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        job_id = f"w{int(time.time())}-{os.urandom(3).hex()}"
+        state = {
+            **asdict(WarmupProgress(source=shown_source(path, self.settings), state="queued")),
+            "pid": 0,
+            "server": self.server,
+            "path": str(path),
+            "chunk_size": chunk_size,
+            "upload": upload,
+        }
+        _write_json(self.dir / f"{job_id}.json", state)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "proxy.jobs", str(self.run_dir), job_id],
+            start_new_session=True,  # not a child of this worker's fate: a worker restart
+            stdin=subprocess.DEVNULL,  # leaves the job running
+        )
+        _write_json(self.dir / f"{job_id}.json", {**self._read(job_id), "pid": process.pid})
+        return job_id
+
+    def _read(self, job_id: str) -> dict[str, Any]:
+        return dict(json.loads((self.dir / f"{job_id}.json").read_text()))
+
+    def _progress(self, job_id: str) -> WarmupProgress | None:
+        try:
+            state = self._read(job_id)
+        except (OSError, ValueError):
+            return None
+        progress = WarmupProgress(**{k: v for k, v in state.items() if k in _PROGRESS_FIELDS})
+        if progress.state in ("queued", "running") and not (
+            state.get("server") == self.server and state.get("pid") and _alive(state["pid"])
+        ):
+            progress.state, progress.error = "failed", "server restarted"
+            progress.finished = progress.finished or time.time()
+        return progress
+
+    def get(self, job_id: str) -> WarmupProgress | None:
+        if not job_id.replace("-", "").isalnum():
+            return None
+        return self._progress(job_id)
+
+    def all(self) -> dict[str, WarmupProgress]:
+        out = {}
+        for path in sorted(self.dir.glob("*.json")):
+            progress = self._progress(path.stem)
+            if progress is not None:
+                out[path.stem] = progress
+        return out
+
+    def cancel(self, job_id: str) -> WarmupProgress | None:
+        progress = self.get(job_id)
+        if progress is not None:
+            (self.dir / f"{job_id}.cancel").touch()
+        return progress
+
+    async def aclose(self) -> None:
+        """Jobs belong to the server, not to this worker: the supervisor stops them."""
+
+
+def stop_jobs(settings: Settings, server: str, grace_s: float = 10.0) -> None:
+    """SIGTERM every running job of this server run (the supervisor, on its way out)."""
+    pids = []
+    for path in jobs_dir(settings).glob("*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            state = json.loads(path.read_text())
+            if state.get("server") == server and state.get("state") in ("queued", "running"):
+                pid = int(state.get("pid") or 0)
+                if pid and _alive(pid):
+                    os.kill(pid, signal.SIGTERM)
+                    pids.append(pid)
+    deadline = time.monotonic() + grace_s
+    while pids and time.monotonic() < deadline:
+        pids = [p for p in pids if _alive(p)]
+        time.sleep(0.05)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+# -- the job process -----------------------------------------------------------------------
+
+
+class DispatchTraffic:
+    """Lookups by every caller but warm-up, over the whole server (read from the boards at
+    most every ``every_s``): the job's pacing watches it change."""
+
+    def __init__(self, boards: Boards, every_s: float = 0.1) -> None:
+        self.boards = boards
+        self.every_s = every_s
+        self._read_at = -every_s
+        self._lookups = 0
+
+    def lookups(self) -> int:
+        if time.monotonic() - self._read_at >= self.every_s:
+            callers = self.boards.read().callers
+            self._lookups = sum(sum(c) for name, c in callers.items() if name != "warmup")
+            self._read_at = time.monotonic()
+        return self._lookups
+
+
+async def run_job(run_dir: Path, job_id: str) -> None:
+    from proxy.engine_host import RemoteEngine
+    from proxy.index_host import RemoteIndex
+    from proxy.processes import ChildSpec
+    from proxy.services import open_worker_services
+    from proxy.warmup import LocalSink, checkpoint_for, run_warmup
+
+    spec = ChildSpec(**json.loads((run_dir / SPEC_FILE).read_text()))
+    settings = spec.load_settings()
+    directory = jobs_dir(settings)
+    state_file, cancel_file = directory / f"{job_id}.json", directory / f"{job_id}.cancel"
+    state = {**json.loads(state_file.read_text()), "pid": os.getpid()}
+    progress = WarmupProgress(source=state["source"])  # as the worker showed it
+    last_write = 0.0
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+
+    def save(force: bool = False) -> None:
+        nonlocal last_write
+        if force or time.monotonic() - last_write >= PROGRESS_EVERY_S:
+            _write_json(state_file, {**state, **asdict(progress)})
+            last_write = time.monotonic()
+
+    path = Path(state["path"])
+    rejects_file = directory.parent / f"{job_id}.rejects.jsonl"
+    try:
+        async with open_worker_services(settings, spec.cluster("job")) as services:
+            for remote in (services.engine, services.index):
+                assert isinstance(remote, RemoteEngine | RemoteIndex)
+                if not await remote.client.wait_up(60.0):
+                    raise RuntimeError(f"the {remote.client.service} process is not answering")
+            save(force=True)
+            traffic = DispatchTraffic(services.boards)
+            with rejects_file.open("w") as rejects:
+                await run_warmup(
+                    path,
+                    LocalSink(services, dispatch_lookups=traffic.lookups, max_lag_s=None),
+                    progress,
+                    chunk_size=int(state["chunk_size"]),
+                    checkpoint=checkpoint_for(settings.data_dir, path),
+                    rejects=rejects,
+                    commit_every_s=settings.snapshot_interval_s,
+                    on_progress=lambda p: save(),
+                    cancelled=lambda: stop.is_set() or cancel_file.exists(),
+                )
+            if stop.is_set() and progress.state == "cancelled":
+                progress.state, progress.error = "failed", "server stopped (resumable)"
+    except Exception as exc:
+        log.exception("warm-up job %s failed", job_id)
+        progress.state, progress.error = "failed", public_error(exc)
+        progress.finished = time.time()
+    finally:
+        save(force=True)
+        _clean_up(cancel_file, path if state.get("upload") else None)
+
+
+def _clean_up(*paths: Path | None) -> None:
+    for path in paths:
+        if path is not None:
+            path.unlink(missing_ok=True)
+
+
+def public_error(exc: BaseException) -> str:
+    """What a job answer may say: the exception's kind and message, each absolute path cut
+    to its file name (answers never show the server's directories)."""
+    message = _PATH.sub(lambda m: Path(m.group()).name, str(exc))
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
+def main() -> None:
+    from proxy.processes import setup_logging
+
+    run_dir, job_id = Path(sys.argv[1]), sys.argv[2]
+    setup_logging("warning", "job")
+    with contextlib.suppress(OSError):
+        os.nice(NICE)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    asyncio.run(run_job(run_dir, job_id))
+
+
+if __name__ == "__main__":
+    main()
