@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The H200 runs of this repo's benchmarks, through the device tool (docs/BENCHMARKS.md says
+# which session ran what). Two calls back to back on one warm machine (it keeps /tmp about 30 s):
+#   1. carry [".whl"]:      bash bench/h200.sh install     (the proxy's wheels into /tmp/site)
+#   2. carry [".gpumodel", ".gpuwrk"]:  bash bench/h200.sh serve   (writes under $OUT)
+# Prepared here: ../shared/scripts/gpu-wheels fastapi uvicorn httptools langchain-core
+#   langchain-classic llama-index-core faiss-cpu lmdb redis orjson pydantic-settings pyzmq msgspec
+#   pytest-asyncio pytest-timeout; the fp16 model copy in .gpumodel/minilm-fp16 (docs/GPU_RUN.md);
+#   wrk: apt-get download wrk libluajit-5.1-2 libluajit-5.1-common, each dpkg -x into .gpuwrk.
+set -euo pipefail
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 HF_HUB_OFFLINE=1
+export LD_LIBRARY_PATH=$PWD/.gpuwrk/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+MODEL=.gpumodel/minilm-fp16
+case "${1:-}" in
+  install)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    python3 -c "import fastapi, zmq, msgspec, faiss, langchain_classic; print('installed')" ;;
+  serve)
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    shift
+    python3 -m bench.serve_bench --engine torch --device cuda --model "$MODEL" \
+      --wrk .gpuwrk/usr/bin/wrk --out "$OUT/serve" "$@" 2>&1 | tee "$OUT/serve_bench.txt" ;;
+  tests)
+    FLEETCACHE_GPU_MODEL=$MODEL python3 -m pytest -q -p no:cacheprovider -W ignore::UserWarning \
+      -W ignore::DeprecationWarning -W ignore::FutureWarning tests/test_gpu_torch.py ;;
+  *) echo "usage: bench/h200.sh install | serve [serve_bench options] | tests" >&2; exit 2 ;;
+esac

@@ -1,0 +1,416 @@
+"""The whole server under a C load generator (wrk): the process split against one process.
+
+For each server layout (``--workers N ...``: ``fleetcache serve --workers N``; ``--single``:
+the same app in one process, ``create_app`` under uvicorn, as v1 ran) on a fresh data dir:
+
+- ``/healthz`` alone: its p99 (the idle probe latency);
+- all-hit requests (``bench/wrk/hits.lua``: 32 texts from a prefilled pool of 4,096, base64),
+  with a second wrk on ``/healthz`` beside them: req/s, texts/s, p50/p99, and the probe's p99
+  under that load against idle;
+- all-miss requests (``misses.lua``: 32 texts never seen before): texts/s, p50/p99;
+- with ``--warmup N``: N new drivers POSTed to ``/v1/warmup`` (a job process), timed to
+  ``done``, with wrk sending cached lookups (8 connections) beside it: their p99 during the
+  job against the same load alone; and the plain tokenizer's ceiling on all cores over the
+  same texts (``tokenizers.encode_batch``), measured in the same run.
+
+Each load phase runs ``--runs`` times: the table shows the median of the runs' figures and
+the worst run's p99. ``--batcher`` measures the engine's batcher alone in this process
+(64 concurrent submitters of 32 new texts, no HTTP, no IPC) before any server starts: the
+ceiling the all-miss figure is compared with.
+
+    .venv/bin/python -m bench.serve_bench --workers 1 2 --single --runs 3         # this box
+    python -m bench.serve_bench --engine torch --device cuda --model M --workers 4 8 \\
+        --single --batcher --warmup 100000 --wrk-cpus 12-15 --connections 64      # the H200
+
+Needs ``wrk`` on PATH (Debian package wrk) or ``--wrk``. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+WRK_DIR = Path(__file__).resolve().parent / "wrk"
+RESULT = re.compile(r"RESULT (.*)")
+POOL = 4096
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """``fleetcache serve`` (``workers``) or the one-process app (``workers=0``)."""
+
+    def __init__(
+        self, workers: int, data_dir: Path, settings: dict[str, str], log: Path, cpus: str
+    ) -> None:
+        self.workers = workers
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETCACHE_")}
+        env |= {f"FLEETCACHE_{k.upper()}": v for k, v in settings.items()}
+        env |= {"FLEETCACHE_DATA_DIR": str(data_dir), "HF_HUB_OFFLINE": "1"}
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+        if workers:
+            command = [sys.executable, "-m", "proxy.cli", "serve", "--workers", str(workers)]
+            command += ["--port", str(self.port), "--log-level", "warning"]
+        else:
+            command = [sys.executable, "-m", "bench.serve_bench", "--serve-single", str(self.port)]
+        if cpus:
+            command = ["taskset", "-c", cpus, *command]
+        self.log = log
+        with log.open("ab") as out:
+            self.process = subprocess.Popen(
+                command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT
+            )
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise SystemExit(f"server exited:\n{self.log.read_text()[-4000:]}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{self.url}/readyz", timeout=5).status_code == 200:
+                    return
+            time.sleep(0.25)
+        raise SystemExit(f"server not ready in {timeout_s} s:\n{self.log.read_text()[-4000:]}")
+
+    def stats(self) -> dict[str, Any]:
+        return dict(httpx.get(f"{self.url}/v1/stats", timeout=30).json())
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(120)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
+
+def serve_single(port: int) -> None:
+    """One process does everything (v1's layout), for the comparison."""
+    import uvicorn
+
+    from proxy.app import create_app
+    from proxy.settings import Settings
+
+    app = create_app(Settings(), freeze_gc=True)
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+class Wrk:
+    def __init__(self, binary: str, threads: int, cpus: str) -> None:
+        self.binary = binary
+        self.threads = threads
+        self.cpus = cpus
+
+    def command(self, script: str, url: str, connections: int, seconds: float) -> list[str]:
+        body = (WRK_DIR / script).read_text() + "\n" + (WRK_DIR / "report.lua").read_text()
+        path = Path(tempfile.gettempdir()) / f"fleetcache-{script}"
+        path.write_text(body)
+        threads = min(self.threads, connections)
+        command = [self.binary, f"-t{threads}", f"-c{connections}", f"-d{max(1, round(seconds))}s"]
+        command += ["--timeout", "10s", "-s", str(path), url]
+        return ["taskset", "-c", self.cpus, *command] if self.cpus else command
+
+    def start(
+        self, script: str, url: str, connections: int, seconds: float, **env: str
+    ) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            self.command(script, url, connections, seconds),
+            env={**os.environ, **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    @staticmethod
+    def result(process: subprocess.Popen[str]) -> dict[str, float]:
+        out, _ = process.communicate()
+        match = RESULT.search(out or "")
+        if match is None:
+            raise SystemExit(f"wrk printed no RESULT line:\n{out}")
+        return {k: float(v) for k, v in (kv.split("=") for kv in match.group(1).split())}
+
+    def run(
+        self, script: str, url: str, connections: int, seconds: float, **env: str
+    ) -> dict[str, float]:
+        return self.result(self.start(script, url, connections, seconds, **env))
+
+
+def prefill(url: str) -> None:
+    with httpx.Client(base_url=url, timeout=300) as client:
+        for start in range(0, POOL, 256):
+            texts = [f"pool text #{i}" for i in range(start, start + 256)]
+            response = client.post("/v1/embeddings", json={"input": texts})
+            response.raise_for_status()
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else 0.0
+
+
+def measure_layout(
+    args: argparse.Namespace, workers: int, settings: dict[str, str], wrk: Wrk, out: Path
+) -> dict[str, Any]:
+    name = f"{workers} workers" if workers else "one process"
+    data_dir = Path(tempfile.mkdtemp(prefix="fleetcache-bench-"))
+    server = Server(workers, data_dir, settings, out / f"server-{workers}.log", args.server_cpus)
+    try:
+        started = time.monotonic()
+        server.wait_ready()
+        ready_s = time.monotonic() - started
+        prefill(server.url)
+        url, c, d = server.url, args.connections, args.duration
+        idle = wrk.run("healthz.lua", url, 4, min(d, 4))
+        runs: dict[str, list[dict[str, float]]] = {"hits": [], "probe": [], "misses": []}
+        for _ in range(args.runs):
+            probe = wrk.start("healthz.lua", url, 2, d)
+            runs["hits"].append(wrk.run("hits.lua", url, c, d, POOL=str(POOL), FMT="base64"))
+            runs["probe"].append(wrk.result(probe))
+            runs["misses"].append(wrk.run("misses.lua", url, c, d, FMT="base64"))
+        stats = server.stats()
+        row: dict[str, Any] = {"layout": name, "ready_s": ready_s, "idle_probe_p99": idle["p99_ms"]}
+        for phase, results in runs.items():
+            row[phase] = {
+                "req_s": median([r["req_s"] for r in results]),
+                "p50_ms": median([r["p50_ms"] for r in results]),
+                "p99_ms": median([r["p99_ms"] for r in results]),
+                "worst_p99_ms": max(r["p99_ms"] for r in results),
+                "errors": sum(r["errors"] for r in results),
+            }
+        row["items_equal_misses"] = stats["inference"]["items"] == stats["cache"]["misses"]
+        row["mean_batch"] = stats["inference"]["mean_batch"]
+        row["per_worker_requests"] = [w["requests"] for w in stats["processes"]["workers"]]
+        if args.warmup and workers:
+            row["warmup"] = measure_warmup(args, server, wrk, out)
+        (out / f"stats-{workers}.json").write_text(json.dumps(stats, indent=1))
+        return row
+    finally:
+        server.stop()
+        shutil.rmtree(data_dir, ignore_errors=True)
+        print(f"{name}: measured", file=sys.stderr)
+
+
+def measure_warmup(
+    args: argparse.Namespace, server: Server, wrk: Wrk, out: Path
+) -> dict[str, float]:
+    from features.readers import write_records
+    from features.synthetic import iter_fleet
+
+    fleet = out / "warmup.jsonl"
+    if not fleet.exists():
+        write_records(iter_fleet(args.warmup, seed=97), fleet)
+    alone = wrk.run("hits.lua", server.url, 8, 5, POOL=str(POOL), FMT="base64")
+    lookups = wrk.start("hits.lua", server.url, 8, 600, POOL=str(POOL), FMT="base64")
+    try:
+        with httpx.Client(base_url=server.url, timeout=600) as client:
+            response = client.post(
+                "/v1/warmup",
+                content=fleet.read_bytes(),
+                headers={"Content-Type": "application/x-ndjson"},
+            )
+            response.raise_for_status()
+            job_id = response.json()["id"]
+            while (job := client.get(f"/v1/warmup/{job_id}").json())["state"] in (
+                "queued",
+                "running",
+            ):
+                time.sleep(0.2)
+    finally:
+        lookups.send_signal(signal.SIGINT)  # wrk reports what it saw so far
+    during = Wrk.result(lookups)
+    if job["state"] != "done":
+        raise SystemExit(f"warm-up job ended {job['state']}: {job.get('error')}")
+    seconds = job["finished"] - job["started"]
+    return {
+        "records": job["indexed"],
+        "features_per_s": job["indexed"] / seconds,
+        "lookup_p99_alone_ms": alone["p99_ms"],
+        "lookup_p99_during_ms": during["p99_ms"],
+        "tokenizer_texts_per_s": tokenizer_ceiling(args, fleet),
+    }
+
+
+def tokenizer_ceiling(args: argparse.Namespace, fleet: Path) -> float:
+    """``encode_batch`` of the job's texts on every core: what tokenization alone allows."""
+    from tokenizers import Tokenizer
+
+    from engines.torch_engine import resolve_model_dir
+    from features.readers import iter_rows
+    from features.text import driver_text
+
+    texts = [driver_text(row.record) for row in iter_rows(fleet) if row.record is not None]
+    tokenizer = Tokenizer.from_file(str(resolve_model_dir(args.model) / "tokenizer.json"))
+    tokenizer.enable_truncation(max_length=256)
+    started = time.perf_counter()
+    for start in range(0, len(texts), 1024):
+        tokenizer.encode_batch(texts[start : start + 1024])
+    return len(texts) / (time.perf_counter() - started)
+
+
+def batcher_alone(args: argparse.Namespace, settings: dict[str, str]) -> float:
+    """Texts/s of the engine's batcher in this process: no HTTP, no IPC, all misses."""
+    from engines.batcher import Batcher
+    from proxy.engine_host import build_engine
+    from proxy.settings import Settings
+
+    config = Settings(**settings)  # type: ignore[arg-type]
+    engine = build_engine(config)
+    engine.load()
+    engine.warmup()
+
+    async def run() -> float:
+        sent = 0
+        async with Batcher(
+            engine,
+            max_batch_size=config.max_batch_size,
+            max_delay_ms=config.max_delay_ms,
+            max_batch_tokens=config.max_batch_tokens,
+        ) as batcher:
+
+            async def client(tag: int, until: float) -> None:
+                nonlocal sent
+                n = 0
+                while time.monotonic() < until:
+                    n += 1
+                    texts = [f"fresh van electric {tag}-{n}-{j} capacity {j} kg" for j in range(32)]
+                    await batcher.submit(texts)
+                    sent += 32
+
+            await asyncio.gather(*(client(t, time.monotonic() + 2) for t in range(64)))
+            sent, started = 0, time.monotonic()
+            await asyncio.gather(*(client(t, started + args.duration) for t in range(64)))
+            return sent / (time.monotonic() - started)
+
+    try:
+        return asyncio.run(run())
+    finally:
+        engine.close()
+
+
+def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Namespace) -> None:
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    print(f"\n## serve_bench, {now}, {platform.node()}, {os.cpu_count()} cores")
+    print(
+        f"engine {args.engine} on {args.device}, store {args.store}, {args.connections} "
+        f"connections, {args.duration} s x {args.runs} runs, 32 texts a request, base64"
+    )
+    if batcher:
+        print(f"batcher alone (no HTTP, no IPC): {batcher:,.0f} texts/s")
+    print(
+        "\n| layout | ready s | hits req/s | hit texts/s | hit p50 / p99 ms (worst) | "
+        "probe p99 idle -> under hits ms | miss texts/s | miss p50 / p99 ms | "
+        "misses / batcher | items == misses | per-worker requests |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        hits, probe, misses = r["hits"], r["probe"], r["misses"]
+        ratio = f"{misses['req_s'] * 32 / batcher:.2f}" if batcher else "-"
+        print(
+            f"| {r['layout']} | {r['ready_s']:.1f} | {hits['req_s']:,.0f} | "
+            f"{hits['req_s'] * 32:,.0f} | {hits['p50_ms']:.1f} / {hits['p99_ms']:.1f} "
+            f"({hits['worst_p99_ms']:.1f}) | {r['idle_probe_p99']:.2f} -> {probe['p99_ms']:.2f} "
+            f"({probe['p99_ms'] / max(r['idle_probe_p99'], 1e-6):.1f}x) | "
+            f"{misses['req_s'] * 32:,.0f} | {misses['p50_ms']:.1f} / {misses['p99_ms']:.1f} | "
+            f"{ratio} | {r['items_equal_misses']} | {r['per_worker_requests']} |"
+        )
+    errors = {r["layout"]: sum(r[p]["errors"] for p in ("hits", "probe", "misses")) for r in rows}
+    print(f"\nwrk errors (connect/read/write/timeout/non-2xx): {errors}")
+    warm = [r for r in rows if "warmup" in r]
+    if warm:
+        print(
+            "\n| layout | warm-up records | features/s | tokenizer alone texts/s | ratio | "
+            "cached lookup p99 alone -> during ms |"
+        )
+        print("|---|---|---|---|---|---|")
+        for r in warm:
+            w = r["warmup"]
+            print(
+                f"| {r['layout']} | {w['records']:,} | {w['features_per_s']:,.0f} | "
+                f"{w['tokenizer_texts_per_s']:,.0f} | "
+                f"{w['features_per_s'] / w['tokenizer_texts_per_s']:.2f} | "
+                f"{w['lookup_p99_alone_ms']:.1f} -> {w['lookup_p99_during_ms']:.1f} "
+                f"({w['lookup_p99_during_ms'] / max(w['lookup_p99_alone_ms'], 1e-6):.2f}x) |"
+            )
+
+
+@contextlib.contextmanager
+def out_dir(path: str | None) -> Iterator[Path]:
+    if path:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        yield Path(path)
+    else:
+        with tempfile.TemporaryDirectory(prefix="fleetcache-serve-bench-") as tmp:
+            yield Path(tmp)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--serve-single", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--engine", default="fake")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", default=None, help="model dir (default: the packaged one)")
+    parser.add_argument("--store", default="lmdb")
+    parser.add_argument("--max-batch-size", type=int, default=256)
+    parser.add_argument("--workers", type=int, nargs="*", default=[1, 2])
+    parser.add_argument("--single", action="store_true", help="also the one-process layout")
+    parser.add_argument("--batcher", action="store_true", help="the batcher alone, first")
+    parser.add_argument("--warmup", type=int, default=0, help="drivers in a warm-up job")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--duration", type=float, default=8.0)
+    parser.add_argument("--connections", type=int, default=32)
+    parser.add_argument("--wrk", default=shutil.which("wrk") or "wrk")
+    parser.add_argument("--wrk-threads", type=int, default=4)
+    parser.add_argument("--wrk-cpus", default="", help="taskset cpu list for wrk")
+    parser.add_argument("--server-cpus", default="", help="taskset cpu list for the server")
+    parser.add_argument("--out", default=None, help="directory for logs and stats")
+    args = parser.parse_args()
+    if args.serve_single:
+        serve_single(args.serve_single)
+        return
+    settings = {
+        "engine": args.engine,
+        "device": args.device,
+        "store": args.store,
+        "max_batch_size": str(args.max_batch_size),
+        "memory_cache_mb": "256",
+    }
+    if args.model:
+        settings["model_path"] = args.model
+    wrk = Wrk(args.wrk, args.wrk_threads, args.wrk_cpus)
+    with out_dir(args.out) as out:
+        batcher = batcher_alone(args, settings) if args.batcher else None
+        layouts = ([0] if args.single else []) + list(args.workers)
+        rows = [measure_layout(args, w, settings, wrk, out) for w in layouts]
+        report(rows, batcher, args)
+        (out / "serve_bench.json").write_text(json.dumps({"rows": rows, "batcher": batcher}))
+
+
+if __name__ == "__main__":
+    main()
