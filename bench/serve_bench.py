@@ -407,7 +407,12 @@ def main() -> None:
     with out_dir(args.out) as out:
         batcher = batcher_alone(args, settings) if args.batcher else None
         layouts = ([0] if args.single else []) + list(args.workers)
-        rows = [measure_layout(args, w, settings, wrk, out) for w in layouts]
+        rows = []
+        for workers in layouts:
+            try:
+                rows.append(measure_layout(args, workers, settings, wrk, out))
+            except (Exception, SystemExit) as exc:  # report the layouts that did run
+                print(f"layout with {workers} workers failed: {exc!r}"[:4000], file=sys.stderr)
         report(rows, batcher, args)
         (out / "serve_bench.json").write_text(json.dumps({"rows": rows, "batcher": batcher}))
 

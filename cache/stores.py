@@ -189,6 +189,9 @@ class LmdbByteStore(CacheStore):
         self._max_key = self._env.max_key_size()
         self._scan_chunk = scan_chunk
         self._closed = False
+        self._group: list[tuple[Sequence[tuple[str, bytes]], asyncio.Future[None]]] = []
+        self._committer: asyncio.Task[None] | None = None
+        self._committer_loop: asyncio.AbstractEventLoop | None = None
 
     def _key(self, key: str) -> bytes:
         raw = key.encode("utf-8")
@@ -261,7 +264,34 @@ class LmdbByteStore(CacheStore):
         return await asyncio.to_thread(self.mget, keys)
 
     async def amset(self, key_value_pairs: Sequence[tuple[str, bytes]]) -> None:
-        await asyncio.to_thread(self.mset, key_value_pairs)
+        """Group commit: writes that arrive while a transaction is being committed go in the
+        next one together, so one fsync serves them all. Measured on the H200 machine: with
+        a transaction (and fsync) per call, 64 connections of new texts stopped at ~375 engine
+        write-backs/s (10-12k texts/s, the batcher alone did 78k)."""
+        if not key_value_pairs:
+            return
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        self._group.append((key_value_pairs, done))
+        if self._committer is None or self._committer.done() or self._committer_loop is not loop:
+            self._committer = loop.create_task(self._commit_groups())
+            self._committer_loop = loop
+        await done
+
+    async def _commit_groups(self) -> None:
+        while self._group:
+            group, self._group = self._group, []
+            items = [pair for pairs, _ in group for pair in pairs]
+            try:
+                await asyncio.to_thread(self.mset, items)
+            except Exception as exc:
+                for _, done in group:
+                    if not done.done():
+                        done.set_exception(exc)
+            else:
+                for _, done in group:
+                    if not done.done():
+                        done.set_result(None)
 
     async def amdelete(self, keys: Sequence[str]) -> None:
         await asyncio.to_thread(self.mdelete, keys)

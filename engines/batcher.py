@@ -329,6 +329,18 @@ class Batcher:
             if timer is not None:
                 timer.cancel()
 
+    def totals(self) -> tuple[int, int, int, int, int, float]:
+        """``(items, batches, failed_batches, expired_items, ok_items, engine_ms)``: the
+        counters of ``stats()`` without its percentiles (cheap enough to read every batch)."""
+        return (
+            self._items,
+            self._batches,
+            self._failed_batches,
+            self._expired_items,
+            self._ok_items,
+            self._engine_ms,
+        )
+
     def stats(self) -> InferenceStats:
         p50, p99 = _percentiles(self._batch_ms)
         wait_p50, wait_p99 = _percentiles(self._wait_ms)

@@ -96,7 +96,8 @@ _WRITE_BATCH = 10_000
 
 @dataclass(frozen=True, slots=True)
 class Row:
-    """One row of an input file: a valid ``record`` or the ``error`` that rejected it.
+    """One row of an input file: a valid ``record`` or the ``error`` that rejected it, or
+    neither when a ``keep`` filter passed it by (another reader's row: not validated).
 
     ``line`` is the 1-based line in a JSONL or CSV file (the CSV header is line 1) where the
     row starts, or the 1-based row number in a Parquet file.
@@ -109,6 +110,16 @@ class Row:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def passed_by(self) -> bool:
+        return self.record is None and self.error is None
+
+
+Keep = Callable[[int, Any], bool]
+"""``keep(line, data)``: whether this reader validates a row (``data``: the parsed JSON object
+or the CSV/Parquet row as a dict, before validation). Several readers of one file each keep
+their share (``proxy.warmup.Shard``)."""
 
 
 def format_validation_error(exc: ValidationError) -> str:
@@ -183,7 +194,11 @@ def from_flat_dict(flat: Mapping[str, Any]) -> DriverRecord:
     return DriverRecord.model_validate(nested)
 
 
-def _validated(line: int, build: Callable[[Any], DriverRecord], data: Any) -> Row:
+def _validated(
+    line: int, build: Callable[[Any], DriverRecord], data: Any, keep: Keep | None = None
+) -> Row:
+    if keep is not None and not keep(line, data):
+        return Row(line, None, None)
     try:
         return Row(line, build(data), None)
     except ValidationError as exc:
@@ -193,8 +208,11 @@ def _validated(line: int, build: Callable[[Any], DriverRecord], data: Any) -> Ro
 # ---- readers -------------------------------------------------------------------------------
 
 
-def iter_rows(path: str | os.PathLike[str], chunk_size: int = 1000) -> Iterator[Row]:
-    """Every row of a JSONL, CSV or Parquet file of DriverRecords, valid or not, in order.
+def iter_rows(
+    path: str | os.PathLike[str], chunk_size: int = 1000, keep: Keep | None = None
+) -> Iterator[Row]:
+    """Every row of a JSONL, CSV or Parquet file of DriverRecords, valid or not, in order;
+    with ``keep``, the rows it passes by come back neither validated nor rejected.
 
     The format comes from the extension (checked now, before any reading). ``chunk_size`` is
     the Parquet batch size; JSONL and CSV are read a line at a time. Blank lines are skipped.
@@ -203,13 +221,13 @@ def iter_rows(path: str | os.PathLike[str], chunk_size: int = 1000) -> Iterator[
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if fmt == "jsonl":
-        return _iter_jsonl(Path(path))
+        return _iter_jsonl(Path(path), keep)
     if fmt == "csv":
-        return _iter_csv(Path(path))
-    return _iter_parquet(Path(path), chunk_size)
+        return _iter_csv(Path(path), keep)
+    return _iter_parquet(Path(path), chunk_size, keep)
 
 
-def _iter_jsonl(path: Path) -> Iterator[Row]:
+def _iter_jsonl(path: Path, keep: Keep | None) -> Iterator[Row]:
     # Bytes, not text: an undecodable line is that line's error, not the end of the file.
     with path.open("rb") as file:
         for line_no, raw in enumerate(file, start=1):
@@ -219,15 +237,17 @@ def _iter_jsonl(path: Path) -> Iterator[Row]:
             try:
                 data = orjson.loads(text)
             except orjson.JSONDecodeError as exc:
-                yield Row(line_no, None, f"invalid JSON: {exc}")
-                continue
+                data, error = None, f"invalid JSON: {exc}"
+            else:
+                error = f"expected a JSON object, got {type(data).__name__}"
             if not isinstance(data, dict):
-                yield Row(line_no, None, f"expected a JSON object, got {type(data).__name__}")
+                keeps = keep is None or keep(line_no, None)
+                yield Row(line_no, None, error if keeps else None)
                 continue
-            yield _validated(line_no, DriverRecord.model_validate, data)
+            yield _validated(line_no, DriverRecord.model_validate, data, keep)
 
 
-def _iter_csv(path: Path) -> Iterator[Row]:
+def _iter_csv(path: Path, keep: Keep | None) -> Iterator[Row]:
     # utf-8-sig: spreadsheets write a BOM; errors="replace": a bad byte spoils a cell, not
     # the rest of the file.
     with path.open(newline="", encoding="utf-8-sig", errors="replace") as file:
@@ -243,7 +263,8 @@ def _iter_csv(path: Path) -> Iterator[Row]:
             except StopIteration:
                 return
             except csv.Error as exc:
-                yield Row(start, None, f"invalid CSV: {exc}")
+                keeps = keep is None or keep(start, None)
+                yield Row(start, None, f"invalid CSV: {exc}" if keeps else None)
                 if reader.line_num < start:
                     return  # the reader cannot move past it
                 continue
@@ -251,18 +272,18 @@ def _iter_csv(path: Path) -> Iterator[Row]:
                 continue
             if len(cells) > len(header):
                 error = f"row has {len(cells)} cells, the header has {len(header)}"
-                yield Row(start, None, error)
+                yield Row(start, None, error if keep is None or keep(start, None) else None)
                 continue
-            yield _validated(start, from_flat_dict, dict(zip(header, cells, strict=False)))
+            yield _validated(start, from_flat_dict, dict(zip(header, cells, strict=False)), keep)
 
 
-def _iter_parquet(path: Path, chunk_size: int) -> Iterator[Row]:
+def _iter_parquet(path: Path, chunk_size: int, keep: Keep | None) -> Iterator[Row]:
     row_no = 0
     with pq.ParquetFile(path) as parquet:
         for batch in parquet.iter_batches(batch_size=chunk_size):
             for data in batch.to_pylist():
                 row_no += 1
-                yield _validated(row_no, from_flat_dict, data)
+                yield _validated(row_no, from_flat_dict, data, keep)
 
 
 # ---- writers -------------------------------------------------------------------------------

@@ -114,6 +114,7 @@ async def run_services(
     engine: Engine | None,
     cluster: Cluster | None,
     stop: asyncio.Event,
+    opened_event: asyncio.Event,
     freeze_gc: bool = False,
 ) -> None:
     def drop(keys: Sequence[str]) -> None:
@@ -129,6 +130,9 @@ async def run_services(
     try:
         async with opened as services:
             app.state.services = services
+            if cluster is not None and cluster.serve_after_ready_s:
+                await services.wait_answering(cluster.serve_after_ready_s)
+            opened_event.set()
             try:
                 if cluster is None and not services.index.ready:
                     await load_demo_fleet(services, settings.demo_drivers, settings.demo_seed)
@@ -139,6 +143,8 @@ async def run_services(
     except Exception as exc:
         log.exception("start-up failed")
         app.state.startup_error = f"start-up failed: {exc}"
+    finally:
+        opened_event.set()
 
 
 def create_app(
@@ -157,8 +163,12 @@ def create_app(
         app.state.services = None
         app.state.startup_error = None
         app.state.jobs = WarmupJobs() if cluster is None else ProcessJobs(settings, cluster.run_dir)
-        stop = asyncio.Event()
-        task = asyncio.create_task(run_services(app, settings, engine, cluster, stop, freeze_gc))
+        stop, opened = asyncio.Event(), asyncio.Event()
+        task = asyncio.create_task(
+            run_services(app, settings, engine, cluster, stop, opened, freeze_gc)
+        )
+        if cluster is not None and cluster.serve_after_ready_s:
+            await opened.wait()  # uvicorn binds its socket after this (proxy.processes)
         try:
             yield
         finally:

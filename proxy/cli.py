@@ -11,7 +11,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any
@@ -30,7 +30,6 @@ from features.readers import file_format, write_records
 from features.synthetic import iter_fleet
 from proxy.settings import Settings
 from proxy.warmup import (
-    LocalSink,
     RemoteSink,
     WarmupProgress,
     checkpoint_for,
@@ -117,26 +116,45 @@ def count_rows(path: Path) -> int | None:
         return None
 
 
-async def warmup_job(
-    path: Path,
-    url: str | None,
-    settings: Settings | None,
-    progress: WarmupProgress,
-    **options: Any,
-) -> WarmupProgress:
-    """Through the proxy at ``url``, or directly on ``settings``' data dir."""
-    if url:
-        async with httpx.AsyncClient(
-            base_url=url, headers={"X-Caller": "warmup"}, timeout=600
-        ) as client:
-            return await run_warmup(path, RemoteSink(client), progress, **options)
-    from proxy.app import frozen_heap
-    from proxy.services import open_local_services
+def client_for(url: str) -> httpx.AsyncClient:
+    """The client of ``warmup --url``: caller ``warmup``, generous timeouts (a busy server
+    answers 429/503 and RemoteSink waits; a slow one may take long to answer a chunk)."""
+    return httpx.AsyncClient(base_url=url, headers={"X-Caller": "warmup"}, timeout=600)
 
-    assert settings is not None
-    async with open_local_services(settings) as services:
-        with frozen_heap():
-            return await run_warmup(path, LocalSink(services), progress, **options)
+
+async def closing(sink: RemoteSink | None, job: Awaitable[WarmupProgress]) -> WarmupProgress:
+    try:
+        return await job
+    finally:
+        if sink is not None:
+            await sink.client.aclose()
+
+
+def direct_warmup(
+    path: Path,
+    settings: Settings,
+    progress: WarmupProgress,
+    *,
+    chunk_size: int,
+    rejects: Path,
+    commit_every_s: float,
+    on_progress: Callable[[WarmupProgress], None],
+) -> WarmupProgress:
+    """Directly on ``settings``' data dir: an engine process, the fleet index owner and
+    the job's reader processes, as a server runs a job (``proxy.jobs``)."""
+    from proxy.jobs import JobOptions, run_sharded, shard_count
+    from proxy.supervisor import local_cluster
+
+    options = JobOptions(
+        path=str(path),
+        chunk_size=chunk_size,
+        commit_every_s=commit_every_s,
+        rejects=str(rejects),
+        cancel_file=str(settings.data_dir / "warmup" / f"{path.name}.cancel"),
+    )
+    with local_cluster(settings) as spec:
+        shards = shard_count(settings)
+        return asyncio.run(run_sharded(spec, options, progress, shards, on_progress))
 
 
 @app.command()
@@ -168,8 +186,11 @@ def warmup(
     setup_logging("warning")
     settings = None if url else load_settings()
     # direct mode keeps its place in the data dir; through a proxy, in the working directory
-    checkpoint = checkpoint_for(settings.data_dir if settings else Path(".fleetcache"), path)
+    places = settings.data_dir / "warmup" if settings else Path(".fleetcache") / "warmup"
+    checkpoint = checkpoint_for(places.parent, path)
     rejects = rejects or Path(f"{path.name}.rejects.jsonl")
+    if restart:
+        rejects.unlink(missing_ok=True)
     progress = WarmupProgress(source=str(path), dry_run=dry_run)
     columns = (
         TextColumn("warm-up"),
@@ -181,10 +202,7 @@ def warmup(
         ),
         TimeRemainingColumn(),
     )
-    with (
-        Progress(*columns, console=console) as bar,
-        rejects.open("a" if not restart else "w") as out,
-    ):
+    with Progress(*columns, console=console) as bar:
         task = bar.add_task(
             "warm-up", total=count_rows(path), cached=0, embedded=0, rejected=0, rate=0.0
         )
@@ -199,20 +217,35 @@ def warmup(
                 rate=p.rate,
             )
 
-        options: dict[str, Any] = {
-            "chunk_size": chunk_size,
-            "rejects": out,
-            "on_progress": show,
-            "commit_every_s": checkpoint_every,
-        }
         try:
-            if dry_run:
-                asyncio.run(run_warmup(path, None, progress, **options))
+            if restart:  # every shard's place, whatever the shard count was
+                for place in places.glob(f"{path.name}*.checkpoint.json"):
+                    place.unlink()
+            if dry_run or url:
+                with rejects.open("a") as out:
+                    sink = RemoteSink(client_for(url)) if url else None
+                    job = run_warmup(
+                        path,
+                        sink,
+                        progress,
+                        chunk_size=chunk_size,
+                        rejects=out,
+                        on_progress=show,
+                        commit_every_s=checkpoint_every,
+                        checkpoint=checkpoint if url else None,
+                    )
+                    asyncio.run(closing(sink, job))
             else:
-                if restart:
-                    checkpoint.clear()
-                job = warmup_job(path, url, settings, progress, checkpoint=checkpoint, **options)
-                asyncio.run(job)
+                assert settings is not None
+                direct_warmup(
+                    path,
+                    settings,
+                    progress,
+                    chunk_size=chunk_size,
+                    rejects=rejects,
+                    commit_every_s=checkpoint_every,
+                    on_progress=show,
+                )
         except KeyboardInterrupt:
             console.print("[yellow]interrupted: run the same command again to resume[/yellow]")
             raise typer.Exit(130) from None

@@ -162,13 +162,10 @@ class EngineHost:
     def publish(self) -> None:
         """Mirror the batcher's totals and the queue onto the board (after every batch and
         every embed: a reader then sees them as of the last change)."""
-        s, board = self.batcher.stats(), self.board
-        board.put("inference.items", s.items)
-        board.put("inference.batches", s.batches)
-        board.put("inference.failed_batches", s.failed_batches)
-        board.put("inference.expired_items", s.expired_items)
-        board.put("inference.ok_items", s.ok_items)
-        board.put("inference.engine_ms", s.engine_ms)
+        board = self.board
+        names = ("items", "batches", "failed_batches", "expired_items", "ok_items", "engine_ms")
+        for name, value in zip(names, self.batcher.totals(), strict=True):
+            board.put(f"inference.{name}", value)
         board.gauge("queue.depth", self.batcher.queued)
         board.gauge("cache.in_flight", self.flight.in_flight)
 
@@ -214,6 +211,10 @@ async def open_engine_host(
             if host is not None:
                 host.publish()
 
+        def sent(caller: str, count: int) -> None:  # misses and items at the same moment
+            counts.record(caller, 0, 0, count, 0.0)
+            batch_done()
+
         batcher = Batcher(
             StageTimingEngine(engine, board),
             max_batch_size=settings.max_batch_size,
@@ -221,7 +222,7 @@ async def open_engine_host(
             max_queue=settings.max_queue,
             max_batch_tokens=settings.max_batch_tokens,
             on_queue_wait=queue_wait,
-            on_sent=lambda caller, n: counts.record(caller, 0, 0, n, 0.0),
+            on_sent=sent,
             on_batch_done=batch_done,
         )
         await stack.enter_async_context(batcher)

@@ -24,19 +24,24 @@ import asyncio
 import contextlib
 import json
 import logging
+import multiprocessing
 import os
+import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, fields
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from proxy.board import Boards
+from proxy.processes import ChildSpec
 from proxy.settings import Settings
-from proxy.warmup import WarmupProgress, shown_source
+from proxy.warmup import Shard, WarmupProgress, shown_source
 
 log = logging.getLogger("fleetcache.warmup")
 SPEC_FILE = "spec.json"  # written by the supervisor into the run dir: what a job is told
@@ -177,13 +182,201 @@ class DispatchTraffic:
         return self._lookups
 
 
-async def run_job(run_dir: Path, job_id: str) -> None:
+@dataclass(frozen=True)
+class JobOptions:
+    """What every shard of one job is told (picklable: shards are spawned)."""
+
+    path: str
+    chunk_size: int
+    commit_every_s: float
+    rejects: str  # the job's rejects file; shard i writes <rejects>.part<i>, merged at the end
+    cancel_file: str  # present: stop at the next chunk
+
+
+def shard_count(settings: Settings, cores: int | None = None) -> int:
+    """``FLEETCACHE_WARMUP_PROCESSES``: reader processes of one warm-up job. ``auto``: one
+    per four cores (a shard is one interpreter reading, validating and rendering its rows;
+    the engine process and the HTTP workers keep the rest), at most 8."""
+    if settings.warmup_processes != "auto":
+        return int(settings.warmup_processes)
+    return max(1, min(8, (cores or os.cpu_count() or 1) // 4))
+
+
+async def run_shard(
+    spec: ChildSpec,
+    options: JobOptions,
+    shard: Shard,
+    progress: WarmupProgress,
+    on_progress: Callable[[WarmupProgress], None],
+    stopped: Callable[[], bool],
+) -> WarmupProgress:
+    """One shard of a job: a client of the engine and the index, its own checkpoint."""
     from proxy.engine_host import RemoteEngine
     from proxy.index_host import RemoteIndex
-    from proxy.processes import ChildSpec
     from proxy.services import open_worker_services
     from proxy.warmup import LocalSink, checkpoint_for, run_warmup
 
+    settings = spec.load_settings()
+    path, cancel_file = Path(options.path), Path(options.cancel_file)
+    async with open_worker_services(settings, spec.cluster("job")) as services:
+        for remote in (services.engine, services.index):
+            assert isinstance(remote, RemoteEngine | RemoteIndex)
+            if not await remote.client.wait_up(120.0):
+                raise RuntimeError(f"the {remote.client.service} process is not answering")
+        traffic = DispatchTraffic(services.boards)
+        with _rejects_part(options, shard) as rejects:
+            return await run_warmup(
+                path,
+                LocalSink(services, dispatch_lookups=traffic.lookups, max_lag_s=None),
+                progress,
+                chunk_size=options.chunk_size * shard.count,  # ~chunk_size of its own rows
+                checkpoint=checkpoint_for(settings.data_dir, path, shard),
+                rejects=rejects,
+                commit_every_s=options.commit_every_s,
+                on_progress=on_progress,
+                cancelled=lambda: stopped() or cancel_file.exists(),
+                shard=shard,
+            )
+
+
+def shard_main(spec: ChildSpec, options: JobOptions, shard: Shard, reports: Any) -> None:
+    """A shard in a process of its own: its progress goes to ``reports`` (a queue)."""
+    from proxy.processes import become_child
+
+    become_child("job", spec.log_level)
+    progress = WarmupProgress(source=options.path)
+    last = 0.0
+
+    def report(p: WarmupProgress, final: bool = False) -> None:
+        nonlocal last
+        if final or time.monotonic() - last >= PROGRESS_EVERY_S / 2:
+            reports.put((shard.index, asdict(p), final))
+            last = time.monotonic()
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        await run_shard(spec, options, shard, progress, report, stop.is_set)
+
+    try:
+        asyncio.run(run())
+    except Exception as exc:
+        log.exception("warm-up shard %d failed", shard.index)
+        progress.state, progress.error = "failed", public_error(exc)
+    finally:
+        progress.finished = progress.finished or time.time()
+        report(progress, final=True)
+
+
+def combined(parts: list[WarmupProgress], into: WarmupProgress) -> WarmupProgress:
+    """The job's progress from its shards': every shard reads every row (``rows``: the
+    slowest); what each did with its own rows adds up."""
+    into.rows = min(p.rows for p in parts)
+    into.resumed_from = min(p.resumed_from for p in parts)
+    for name in ("indexed", "embedded", "cached", "rejected"):
+        setattr(into, name, sum(getattr(p, name) for p in parts))
+    states = {p.state for p in parts}
+    failed = [p for p in parts if p.state == "failed"]
+    if failed:
+        into.state, into.error = "failed", failed[0].error
+    elif states <= {"done", "cancelled"} and "cancelled" in states:
+        into.state = "cancelled"
+    elif states == {"done"}:
+        into.state = "done"
+    else:
+        into.state = "running"
+    if into.state != "running":
+        into.finished = max((p.finished or time.time()) for p in parts)
+    return into
+
+
+async def run_sharded(
+    spec: ChildSpec,
+    options: JobOptions,
+    progress: WarmupProgress,
+    shards: int,
+    on_progress: Callable[[WarmupProgress], None] = lambda p: None,
+    stopped: Callable[[], bool] = lambda: False,
+) -> WarmupProgress:
+    """A warm-up job over ``shards`` reader processes (one: in this process), their progress
+    combined into ``progress``; their rejects merged into ``options.rejects`` at the end."""
+    progress.state = "running"
+    try:
+        if shards == 1:
+            await run_shard(spec, options, Shard(0, 1), progress, on_progress, stopped)
+            return progress
+        return await _spawn_shards(spec, options, progress, shards, on_progress, stopped)
+    finally:
+        _merge_rejects(Path(options.rejects), shards)
+
+
+async def _spawn_shards(
+    spec: ChildSpec,
+    options: JobOptions,
+    progress: WarmupProgress,
+    shards: int,
+    on_progress: Callable[[WarmupProgress], None],
+    stopped: Callable[[], bool],
+) -> WarmupProgress:
+    ctx = multiprocessing.get_context("spawn")
+    reports = ctx.Queue()
+    parts = [WarmupProgress(source=progress.source, state="queued") for _ in range(shards)]
+    finals: set[int] = set()
+    processes = [
+        ctx.Process(
+            target=shard_main, args=(spec, options, Shard(i, shards), reports), name=f"shard{i}"
+        )
+        for i in range(shards)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        while len(finals) < shards:
+            if stopped():
+                for process in processes:
+                    if process.pid and process.exitcode is None:
+                        os.kill(process.pid, signal.SIGTERM)
+            try:
+                index, state, final = await asyncio.to_thread(reports.get, True, 0.25)
+            except queue.Empty:
+                dead = [i for i, p in enumerate(processes) if p.exitcode not in (None, 0)]
+                for i in dead:
+                    if i not in finals:  # killed before it could say
+                        parts[i].state, parts[i].error = "failed", f"shard {i} died"
+                        finals.add(i)
+                continue
+            parts[index] = WarmupProgress(**state)
+            if final:
+                finals.add(index)
+            on_progress(combined(parts, progress))
+    finally:
+        for process in processes:  # stopped early (Ctrl-C): they keep their checkpoints
+            if process.exitcode is None and process.pid and len(finals) < shards:
+                os.kill(process.pid, signal.SIGTERM)
+        for process in processes:
+            process.join(10)
+            if process.exitcode is None:
+                process.kill()
+                process.join(5)
+    return combined(parts, progress)
+
+
+def _rejects_part(options: JobOptions, shard: Shard) -> IO[str]:
+    return Path(f"{options.rejects}.part{shard.index}").open("w")
+
+
+def _merge_rejects(rejects: Path, shards: int) -> None:
+    parts = [Path(f"{rejects}.part{i}") for i in range(shards)]
+    with rejects.open("a") as out:
+        for part in parts:
+            if part.exists():
+                with part.open() as lines:
+                    shutil.copyfileobj(lines, out)
+                part.unlink()
+
+
+async def run_job(run_dir: Path, job_id: str) -> None:
+    """The job process of a server's warm-up job (its state file is its answer)."""
     spec = ChildSpec(**json.loads((run_dir / SPEC_FILE).read_text()))
     settings = spec.load_settings()
     directory = jobs_dir(settings)
@@ -201,29 +394,20 @@ async def run_job(run_dir: Path, job_id: str) -> None:
             last_write = time.monotonic()
 
     path = Path(state["path"])
-    rejects_file = directory.parent / f"{job_id}.rejects.jsonl"
+    options = JobOptions(
+        path=str(path),
+        chunk_size=int(state["chunk_size"]),
+        commit_every_s=settings.snapshot_interval_s,
+        rejects=str(directory.parent / f"{job_id}.rejects.jsonl"),
+        cancel_file=str(cancel_file),
+    )
     try:
-        async with open_worker_services(settings, spec.cluster("job")) as services:
-            for remote in (services.engine, services.index):
-                assert isinstance(remote, RemoteEngine | RemoteIndex)
-                if not await remote.client.wait_up(60.0):
-                    raise RuntimeError(f"the {remote.client.service} process is not answering")
-            save(force=True)
-            traffic = DispatchTraffic(services.boards)
-            with rejects_file.open("w") as rejects:
-                await run_warmup(
-                    path,
-                    LocalSink(services, dispatch_lookups=traffic.lookups, max_lag_s=None),
-                    progress,
-                    chunk_size=int(state["chunk_size"]),
-                    checkpoint=checkpoint_for(settings.data_dir, path),
-                    rejects=rejects,
-                    commit_every_s=settings.snapshot_interval_s,
-                    on_progress=lambda p: save(),
-                    cancelled=lambda: stop.is_set() or cancel_file.exists(),
-                )
-            if stop.is_set() and progress.state == "cancelled":
-                progress.state, progress.error = "failed", "server stopped (resumable)"
+        save(force=True)
+        await run_sharded(
+            spec, options, progress, shard_count(settings), lambda p: save(), stop.is_set
+        )
+        if stop.is_set() and progress.state == "cancelled":
+            progress.state, progress.error = "failed", "server stopped (resumable)"
     except Exception as exc:
         log.exception("warm-up job %s failed", job_id)
         progress.state, progress.error = "failed", public_error(exc)

@@ -21,7 +21,9 @@ import json
 import logging
 import os
 import signal
-from dataclasses import asdict, dataclass
+import socket
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -145,20 +147,34 @@ async def _index(spec: ChildSpec) -> None:
 # -- HTTP workers --------------------------------------------------------------------------
 
 
-def worker_main(spec: ChildSpec, host: str, port: int) -> None:
+class LateSocket:
+    """The worker's listening socket, bound only when uvicorn asks for it: after the app's
+    lifespan started, which waits for the engine and the index when the worker is told to.
+    (SO_REUSEPORT: binding is joining the port; until then the kernel sends the connections
+    to the workers already serving.)"""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+
+    def __iter__(self) -> Iterator[socket.socket]:
+        from proxy.supervisor import bind_socket
+
+        yield bind_socket(self.host, self.port)
+
+
+def worker_main(spec: ChildSpec, host: str, port: int, serve_at_once: bool) -> None:
     import uvicorn
 
     from proxy.app import create_app
-    from proxy.supervisor import bind_socket
 
     become_child("worker", spec.log_level)
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # uvicorn installs its own handlers
-    sock = bind_socket(host, port)
-    app = create_app(spec.load_settings(), cluster=spec.cluster(), freeze_gc=True)
+    cluster = replace(spec.cluster(), serve_after_ready_s=0.0 if serve_at_once else 30.0)
+    app = create_app(spec.load_settings(), cluster=cluster, freeze_gc=True)
     config = uvicorn.Config(
         app, log_level=spec.log_level, timeout_graceful_shutdown=30, log_config=None
     )
-    uvicorn.Server(config).run(sockets=[sock])
+    uvicorn.Server(config).run(sockets=LateSocket(host, port))  # type: ignore[arg-type]
 
 
 # -- the demo fleet ------------------------------------------------------------------------

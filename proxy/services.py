@@ -16,6 +16,7 @@ Either way the routes see the same ``Services``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -96,6 +97,11 @@ class Services:
         if not self.index.ready:
             return False, "fleet index loading"
         return True, "ready"
+
+    async def wait_answering(self, timeout_s: float) -> None:
+        """Until the engine and the index processes answer (at most ``timeout_s``)."""
+        clients = [s.client for s in (self.engine, self.index) if hasattr(s, "client")]
+        await asyncio.gather(*(client.wait_up(timeout_s) for client in clients))
 
     def per_item_ms(self) -> float:
         return float(self.engine.facts().get("per_item_ms") or 0.0)
@@ -252,6 +258,10 @@ class Cluster:
     run_dir: Path
     info: EngineInfo  # the engine's identity (fingerprint, dim), read without loading it
     role: str = "worker"
+    # Start serving only once the engine and the index answer (at most this long): a worker
+    # (re)started beside serving ones must not answer 503 for work they could do. 0: serve at
+    # once (the first worker of a fresh server, so that /readyz can say why it is not ready).
+    serve_after_ready_s: float = 0.0
 
     @property
     def boards_dir(self) -> Path:

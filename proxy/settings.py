@@ -60,6 +60,9 @@ class Settings(BaseSettings):
     snapshot_interval_s: float = Field(60.0, gt=0.0, description="index snapshot period")
     # processes (fleetcache serve): one engine process, one fleet index owner, N HTTP workers
     workers: int | Literal["auto"] = Field("auto", description="HTTP worker processes")
+    warmup_processes: int | Literal["auto"] = Field(
+        "auto", description="reader processes of one warm-up job (auto: cores / 4, <= 8)"
+    )
     max_inflight_requests: int = Field(
         512, ge=1, description="requests one worker admits at once; above it 429 + Retry-After"
     )

@@ -30,7 +30,7 @@ import signal
 import socket
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -121,8 +121,10 @@ class Supervisor:
         self.slots = [engine, index]
         self._start(index, board)
         for i in range(self.workers):
-            name = f"fleetcache-worker-{i}"
-            worker = Slot("worker", i, child(worker_main, name, self.host, self.port))
+            worker = Slot("worker", i, lambda: ctx.Process())  # set just below
+            # the first worker of a fresh server serves at once (its /readyz says why it is
+            # not ready yet); any other, and any restarted one, once engine and index answer
+            worker.start = self._worker_start(spec, worker)
             self.slots.append(worker)
             self._start(worker, board)
         demo = None
@@ -161,6 +163,16 @@ class Supervisor:
                         break
                     slot.restarts += slot.role != "job"
                     self._start(slot, board)
+
+    def _worker_start(self, spec: ChildSpec, slot: Slot) -> Callable[[], BaseProcess]:
+        def start() -> BaseProcess:
+            at_once = slot.board_slot == 0 and slot.restarts == 0
+            args = (spec, self.host, self.port, at_once)
+            return self._ctx.Process(
+                target=worker_main, args=args, name=f"fleetcache-worker-{slot.board_slot}"
+            )
+
+        return start
 
     def _exited(self, slot: Slot, now: float) -> None:
         process = slot.process
@@ -242,3 +254,37 @@ def check_port(host: str, port: int) -> None:
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         probe.bind((host, port))
+
+
+@contextlib.contextmanager
+def local_cluster(settings: Settings, log_level: str = "warning") -> Iterator[ChildSpec]:
+    """The engine process and the fleet index owner, without HTTP workers or restarts: what
+    ``fleetcache warmup FILE`` (direct mode) runs its reader processes against. On the way
+    out the engine stops first (its batch in flight is written back), then the index (it
+    saves its snapshot)."""
+    run_dir = Path(tempfile.mkdtemp(prefix="fleetcache-"))
+    spec = ChildSpec(settings.model_dump(mode="json"), str(run_dir), log_level)
+    (run_dir / SPEC_FILE).write_text(json.dumps(asdict(spec)))
+    ctx = multiprocessing.get_context("spawn")
+    started: list[BaseProcess] = []
+    try:
+        engine = ctx.Process(target=engine_main, args=(spec,), name="fleetcache-engine")
+        engine.start()
+        started.append(engine)
+        while not (run_dir / ENGINE_FILE).exists():
+            if engine.exitcode is not None:
+                raise RuntimeError("the engine process exited before it started (see its log)")
+            time.sleep(0.05)
+        index = ctx.Process(target=index_main, args=(spec,), name="fleetcache-index")
+        index.start()
+        started.append(index)
+        yield spec
+    finally:
+        for process in started:  # engine first, index last
+            if process.exitcode is None and process.pid:
+                os.kill(process.pid, signal.SIGTERM)
+                process.join(STOP_GRACE_S["engine" if process is started[0] else "index"])
+            if process.exitcode is None:
+                process.kill()
+                process.join(5)
+        shutil.rmtree(run_dir, ignore_errors=True)

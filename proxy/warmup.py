@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import time
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -108,8 +109,30 @@ class Checkpoint:
         self.file.unlink(missing_ok=True)
 
 
-def checkpoint_for(data_dir: Path, source: Path) -> Checkpoint:
-    return Checkpoint(data_dir / "warmup" / f"{source.name}.checkpoint.json", source)
+@dataclass(frozen=True)
+class Shard:
+    """One of ``count`` readers of one file, keeping the rows whose driver id hashes to
+    ``index`` (a row without one: its line number). All the rows of one driver go to one
+    shard, in file order, so the file's later row still wins. Each shard reads the whole file
+    and validates only its own rows."""
+
+    index: int
+    count: int
+
+    def keeps(self, line: int, data: Any) -> bool:
+        driver_id = data.get("driver_id") if isinstance(data, dict) else None
+        key = zlib.crc32(str(driver_id).encode()) if driver_id is not None else line
+        return key % self.count == self.index
+
+    @property
+    def suffix(self) -> str:
+        return f".shard{self.index}of{self.count}" if self.count > 1 else ""
+
+
+def checkpoint_for(data_dir: Path, source: Path, shard: Shard | None = None) -> Checkpoint:
+    """The checkpoint of ``source`` (one per shard: each keeps its own place)."""
+    suffix = shard.suffix if shard is not None else ""
+    return Checkpoint(data_dir / "warmup" / f"{source.name}{suffix}.checkpoint.json", source)
 
 
 def read_chunks(rows: Iterator[Row], size: int) -> Iterator[list[Row]]:
@@ -129,8 +152,10 @@ async def run_warmup(
     commit_every_s: float = 5.0,
     on_progress: Callable[[WarmupProgress], None] | None = None,
     cancelled: Callable[[], bool] = lambda: False,
+    shard: Shard | None = None,
 ) -> WarmupProgress:
-    """Run one job to its end (``sink=None`` is a dry run: validate and count only).
+    """Run one job to its end (``sink=None`` is a dry run: validate and count only); with
+    ``shard``, only its share of the rows (``rows`` still counts every row read).
 
     Pipelined: the next chunk is read and validated in a thread while up to ``depth``
     chunks are in the sink at once (so the engine's batcher always has work queued). The
@@ -140,7 +165,8 @@ async def run_warmup(
         raise ValueError(f"depth must be at least 1, got {depth}")
     skip = checkpoint.rows_done() if checkpoint else 0
     progress.resumed_from = skip
-    chunks = read_chunks(iter_rows(path), chunk_size)
+    keep = None if shard is None or shard.count == 1 else shard.keeps
+    chunks = read_chunks(iter_rows(path, keep=keep), chunk_size)
     in_sink: deque[tuple[int, asyncio.Task[tuple[int, int, int]]]] = deque()  # (end row, task)
     done_rows = skip  # every row before this one is durable once the sink commits
     last_commit = time.monotonic()
@@ -205,7 +231,7 @@ async def run_warmup(
 
 def _reject(rows: list[Row], progress: WarmupProgress, rejects: IO[str] | None) -> None:
     for row in rows:
-        if row.record is None:
+        if row.error is not None:
             progress.rejected += 1
             if rejects is not None:
                 rejects.write(json.dumps({"line": row.line, "error": row.error}) + "\n")

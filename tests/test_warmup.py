@@ -276,3 +276,45 @@ def test_remote_sink_gives_up_after_its_bound() -> None:
 
     with pytest.raises(RuntimeError, match="503; still failing after 60 s"):
         asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+def test_three_reader_processes_index_every_row_once_and_later_rows_win(
+    env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suffix: str
+) -> None:
+    """``FLEETCACHE_WARMUP_PROCESSES``: the rows are shared out by driver id, so every row is
+    validated by one reader, a driver's later row still wins, the rejects are all reported
+    once, and every distinct text is embedded once."""
+    monkeypatch.setenv("FLEETCACHE_WARMUP_PROCESSES", "3")
+    drivers = generate_fleet(300, seed=4)
+    moved = [
+        d.model_copy(update={"status": "busy", "vehicle": drivers[-1 - i].vehicle})
+        for i, d in enumerate(drivers[:40])
+    ]  # the first 40 drivers again, later in the file, with other vehicles
+    source = tmp_path / f"fleet{suffix}"
+    write_records([*drivers, *moved], source)
+    with source.open("a") as f:  # a bad row
+        if suffix == ".jsonl":
+            f.write('{"driver_id": "BAD1", "status": "available"\n')
+        else:
+            f.write("BAD3,available,91.0,0,,V1,van,electric,100,1,1,,,,,,,,,\n")
+    result = CliRunner().invoke(cli, ["warmup", str(source), "--chunk-size", "32"])
+    assert result.exit_code == 0, result.output
+    assert "warm-up done" in result.output and "340 indexed" in result.output
+    assert "1 rejected" in result.output
+    texts = {driver_text(d) for d in [*drivers[40:], *moved]} | {
+        driver_text(d) for d in drivers[:40]
+    }
+    embedded = int(result.output.split(" embedded")[0].rsplit(" ", 1)[1].replace(",", ""))
+    assert embedded == len(texts)  # each distinct text once, whatever reader met it
+    rejects = Path(f"fleet{suffix}.rejects.jsonl").read_text().splitlines()
+    assert len(rejects) == 1
+
+    engine = FakeEngine()
+    with open_client(make_settings(env), engine) as client:
+        wait_ready(client)
+        for later in moved[::7]:
+            stored = client.get(f"/v1/fleet/drivers/{later.driver_id}").json()
+            assert stored["status"] == "busy"
+            assert stored["vehicle"]["vehicle_id"] == later.vehicle.vehicle_id
+        assert client.get("/v1/stats").json()["fleet"]["drivers"] == 300
