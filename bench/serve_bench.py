@@ -189,11 +189,12 @@ def measure_layout(
         url, c, d = server.url, args.connections, args.duration
         idle = wrk.run("healthz.lua", url, 4, min(d, 4))
         runs: dict[str, list[dict[str, float]]] = {"hits": [], "probe": [], "misses": []}
-        for _ in range(args.runs):
+        for run in range(args.runs):
             probe = wrk.start("healthz.lua", url, 2, d)
             runs["hits"].append(wrk.run("hits.lua", url, c, d, POOL=str(POOL), FMT="base64"))
             runs["probe"].append(wrk.result(probe))
-            runs["misses"].append(wrk.run("misses.lua", url, c, d, FMT="base64"))
+            with profiled(args, server, out / f"profile-misses-{workers}.txt", run == 0):
+                runs["misses"].append(wrk.run("misses.lua", url, c, d, FMT="base64"))
         stats = server.stats()
         row: dict[str, Any] = {"layout": name, "ready_s": ready_s, "idle_probe_p99": idle["p99_ms"]}
         for phase, results in runs.items():
@@ -217,44 +218,72 @@ def measure_layout(
         print(f"{name}: measured", file=sys.stderr)
 
 
+def run_job(server: Server, fleet: Path) -> dict[str, Any]:
+    """POST a JSONL body to /v1/warmup and wait for the job to end."""
+    with httpx.Client(base_url=server.url, timeout=600) as client:
+        response = client.post(
+            "/v1/warmup",
+            content=fleet.read_bytes(),
+            headers={"Content-Type": "application/x-ndjson"},
+        )
+        response.raise_for_status()
+        job_id = response.json()["id"]
+        while (job := client.get(f"/v1/warmup/{job_id}").json())["state"] in ("queued", "running"):
+            time.sleep(0.2)
+    if job["state"] != "done":
+        raise SystemExit(f"warm-up job ended {job['state']}: {job.get('error')}")
+    return dict(job)
+
+
 def measure_warmup(
     args: argparse.Namespace, server: Server, wrk: Wrk, out: Path
 ) -> dict[str, float]:
+    """A job alone (its throughput), then another over new drivers beside cached lookups
+    (their p99 against the same lookups alone)."""
     from features.readers import write_records
     from features.synthetic import iter_fleet
 
-    fleet = out / "warmup.jsonl"
-    if not fleet.exists():
-        write_records(iter_fleet(args.warmup, seed=97), fleet)
+    files = [out / "warmup-alone.jsonl", out / "warmup-beside.jsonl"]
+    for seed, path in enumerate(files):
+        if not path.exists():
+            write_records(iter_fleet(args.warmup, seed=97 + seed), path)
+    with profiled(args, server, out / f"profile-warmup-{server.workers}.txt", True):
+        job = run_job(server, files[0])
     alone = wrk.run("hits.lua", server.url, 8, 5, POOL=str(POOL), FMT="base64")
     lookups = wrk.start("hits.lua", server.url, 8, 600, POOL=str(POOL), FMT="base64")
     try:
-        with httpx.Client(base_url=server.url, timeout=600) as client:
-            response = client.post(
-                "/v1/warmup",
-                content=fleet.read_bytes(),
-                headers={"Content-Type": "application/x-ndjson"},
-            )
-            response.raise_for_status()
-            job_id = response.json()["id"]
-            while (job := client.get(f"/v1/warmup/{job_id}").json())["state"] in (
-                "queued",
-                "running",
-            ):
-                time.sleep(0.2)
+        beside = run_job(server, files[1])
     finally:
         lookups.send_signal(signal.SIGINT)  # wrk reports what it saw so far
     during = Wrk.result(lookups)
-    if job["state"] != "done":
-        raise SystemExit(f"warm-up job ended {job['state']}: {job.get('error')}")
-    seconds = job["finished"] - job["started"]
     return {
         "records": job["indexed"],
-        "features_per_s": job["indexed"] / seconds,
+        "features_per_s": job["indexed"] / (job["finished"] - job["started"]),
+        "beside_features_per_s": beside["indexed"] / (beside["finished"] - beside["started"]),
         "lookup_p99_alone_ms": alone["p99_ms"],
         "lookup_p99_during_ms": during["p99_ms"],
-        "tokenizer_texts_per_s": tokenizer_ceiling(args, fleet),
+        "tokenizer_texts_per_s": tokenizer_ceiling(args, files[0]),
     }
+
+
+@contextlib.contextmanager
+def profiled(args: argparse.Namespace, server: Server, path: Path, wanted: bool) -> Iterator[None]:
+    """With ``--profile``: py-spy samples every process of the server while the block runs
+    (raw folded stacks, one line per stack, the process in the root frame)."""
+    if not (args.profile and wanted):
+        yield
+        return
+    spy = subprocess.Popen(
+        [args.profile, "record", "-p", str(server.process.pid), "--subprocesses", "--idle",
+         "-r", "50", "-d", "600", "-f", "raw", "-o", str(path), "--nonblocking"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        yield
+    finally:
+        spy.send_signal(signal.SIGINT)  # py-spy writes what it has
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            spy.wait(30)
 
 
 def tokenizer_ceiling(args: argparse.Namespace, fleet: Path) -> float:
@@ -345,16 +374,17 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
     warm = [r for r in rows if "warmup" in r]
     if warm:
         print(
-            "\n| layout | warm-up records | features/s | tokenizer alone texts/s | ratio | "
-            "cached lookup p99 alone -> during ms |"
+            "\n| layout | warm-up records | features/s alone | tokenizer alone texts/s | "
+            "ratio | features/s beside lookups | cached lookup p99 alone -> during ms |"
         )
-        print("|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|")
         for r in warm:
             w = r["warmup"]
             print(
                 f"| {r['layout']} | {w['records']:,} | {w['features_per_s']:,.0f} | "
                 f"{w['tokenizer_texts_per_s']:,.0f} | "
                 f"{w['features_per_s'] / w['tokenizer_texts_per_s']:.2f} | "
+                f"{w['beside_features_per_s']:,.0f} | "
                 f"{w['lookup_p99_alone_ms']:.1f} -> {w['lookup_p99_during_ms']:.1f} "
                 f"({w['lookup_p99_during_ms'] / max(w['lookup_p99_alone_ms'], 1e-6):.2f}x) |"
             )
@@ -390,6 +420,7 @@ def main() -> None:
     parser.add_argument("--wrk-cpus", default="", help="taskset cpu list for wrk")
     parser.add_argument("--server-cpus", default="", help="taskset cpu list for the server")
     parser.add_argument("--out", default=None, help="directory for logs and stats")
+    parser.add_argument("--profile", default="", help="py-spy binary: profile misses, warm-up")
     args = parser.parse_args()
     if args.serve_single:
         serve_single(args.serve_single)

@@ -219,7 +219,7 @@ class RpcClient:
         role: str,
         on_request: ClientHandler | None = None,
         ping_s: float = 0.2,
-        down_after_s: float = 2.0,
+        down_after_s: float = 5.0,
     ) -> None:
         self.address = connect
         self.identity = f"{role}-{os.getpid()}".encode()

@@ -32,6 +32,7 @@ from typing import IO, Any, Protocol
 
 import httpx
 
+from engines.base import EngineUnavailableError, QueueFullError
 from features.models import DriverRecord
 from features.readers import Row, iter_rows
 from features.text import driver_text
@@ -269,6 +270,9 @@ class LocalSink:
     yield took 3.5 ms at p50 and 30 ms at p99 during a warm-up, 0.2/0.8 ms idle. A job in its
     own process shares no loop with dispatch (``max_lag_s=None``: no such wait) and learns of
     dispatch traffic from ``dispatch_lookups`` (the whole server's count, from the boards).
+
+    A slice that finds the engine or the index unavailable (their process restarting) or the
+    queue full waits and tries again, doubling its wait up to 10 s, for ``give_up_s`` at most.
     """
 
     def __init__(
@@ -281,8 +285,10 @@ class LocalSink:
         max_wait_s: float = 0.05,
         clock: Callable[[], float] = time.monotonic,
         dispatch_lookups: Callable[[], int] | None = None,
+        give_up_s: float = 300.0,
     ) -> None:
         self.services = services
+        self.give_up_s = give_up_s
         self._dispatch_lookups = dispatch_lookups or (lambda: services.embedder.dispatch_lookups)
         self.slice_size = slice_size
         self.live_s = live_s
@@ -349,8 +355,20 @@ class LocalSink:
     ) -> tuple[int, int]:
         if before:
             await asyncio.wait(before)
-        _, result = await self.services.upsert_drivers(records, "warmup", texts)
-        return result.misses, result.not_sent
+        backoff, waited = 0.5, 0.0
+        while True:
+            try:
+                _, result = await self.services.upsert_drivers(records, "warmup", texts)
+                return result.misses, result.not_sent
+            except (EngineUnavailableError, QueueFullError) as exc:
+                # the engine or the index process restarting, or a full queue: wait, as
+                # ``warmup --url`` does for 503 and 429, rather than fail the whole job
+                if waited >= self.give_up_s:
+                    raise
+                log.warning("warm-up slice waits %.1f s: %s", backoff, exc)
+                await asyncio.sleep(backoff)
+                waited += backoff
+                backoff = min(backoff * 2, 10.0)
 
     def _release(self, ids: list[str], task: asyncio.Task[tuple[int, int]]) -> None:
         for driver_id in ids:
