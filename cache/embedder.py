@@ -116,6 +116,8 @@ class _Call:
     ttl_s: dict[str, float] = field(default_factory=dict)  # texts written with a TTL
     keys: dict[str, str] = field(default_factory=dict)  # text -> store key, hashed once
     looked_up_at: float | None = None  # when its store lookup began (time.monotonic)
+    links: list[tuple[str, str, str]] = field(default_factory=list)  # (kind, id, text)
+    durable: bool = True  # return once its computed rows are written back
     missing: list[int] = field(default_factory=list)  # input indices the store lacked
     statuses: list[Status] = field(default_factory=list)  # per text sent to the flight
 
@@ -140,7 +142,13 @@ class _Misses(Embeddings):
         call = _CALL.get() or _Call(lane="dispatch", caller="dispatch")
         flight = self._flight
         flown = await flight.embed(
-            texts, lane=call.lane, caller=call.caller, ttl_s=call.ttl_s, since=call.looked_up_at
+            texts,
+            lane=call.lane,
+            caller=call.caller,
+            ttl_s=call.ttl_s,
+            since=call.looked_up_at,
+            links=call.links,
+            durable=call.durable,
         )
         call.statuses += ["coalesced" if c else "miss" for c in flown.coalesced]
         return cast("list[list[float]]", list(flown.rows))
@@ -315,10 +323,11 @@ class CachedEmbedder(_AsyncEmbeddings):
                 own, namespace=namespace, dtype=dtype, errors=self._errors, wall_clock=wall_clock
             )
         else:
+            writer = self._writer
             self._local = SingleFlight(
                 compute,
                 dim,
-                write_back=self._writer.write,
+                write_back=lambda pairs, ttl_s, links: writer.write(pairs, ttl_s, links=links),
                 stats=self._stats,
                 per_item_ms=per_item_ms,
             )
@@ -360,24 +369,36 @@ class CachedEmbedder(_AsyncEmbeddings):
         caller: str = "dispatch",
         lane: str | None = None,
         ttl_s: TtlArg = None,
+        durable: bool = True,
     ) -> EmbedResult:
         """Vectors for ``texts`` in order; misses go to the engine on ``lane``.
 
         ``lane`` defaults to ``"warmup"`` for caller ``"warmup"``, else ``"dispatch"``.
         ``ttl_s`` (seconds, one for every text or one per text, None: never) makes the
-        entries this call writes expire. Raises ``InvalidTextError`` (nothing looked up)
+        entries this call writes expire. ``durable=False`` returns as soon as the misses are
+        computed, while they are still being written back (they stay in flight, so nobody
+        computes them twice meanwhile). Raises ``InvalidTextError`` (nothing looked up)
         for a text that is not valid Unicode, and what ``compute`` raised (e.g.
         ``EngineError``) for texts it had to compute.
         """
-        return (await self._aembed(texts, caller, lane, ttl_s))[0]
+        return (await self._aembed(texts, caller, lane, ttl_s, durable=durable))[0]
 
     async def _aembed(
-        self, texts: Sequence[str], caller: str, lane: str | None, ttl_s: TtlArg
+        self,
+        texts: Sequence[str],
+        caller: str,
+        lane: str | None,
+        ttl_s: TtlArg,
+        *,
+        durable: bool = True,
+        entities: Sequence[Entity] = (),
     ) -> tuple[EmbedResult, _Call]:
         """``aembed``, and the call's bookkeeping (its texts' keys)."""
         n = len(texts)
         check_texts(texts)
         call = _Call(lane=lane or ("warmup" if caller == "warmup" else "dispatch"), caller=caller)
+        call.durable = durable
+        call.links = [(e.kind, e.id, e.text) for e in entities]
         if n == 0:
             return EmbedResult(np.empty((0, self.dim), np.float32), 0, 0, 0, ()), call
         call.ttl_s = _ttl_map(texts, ttl_s)
@@ -409,10 +430,14 @@ class CachedEmbedder(_AsyncEmbeddings):
         ttl_s: Mapping[str, float | None] | None = None,
     ) -> EmbedResult:
         """``aembed`` of the entities' texts with the TTL of their kind (``ttl_s``), then
-        each entity linked to its vector key (its previous vector dropped if it changed)."""
+        each entity linked to its vector key (its previous vector dropped if it changed).
+        The entities of texts computed now are linked by the write-back, in the same
+        transaction as their vectors; ``relink`` then finds those unchanged."""
         ttls = ttl_s or {}
         texts = [e.text for e in entities]
-        result, call = await self._aembed(texts, caller, lane, [ttls.get(e.kind) for e in entities])
+        result, call = await self._aembed(
+            texts, caller, lane, [ttls.get(e.kind) for e in entities], entities=entities
+        )
         keys = [call.keys.get(t) or self.key(t) for t in texts]
         await self.links.relink([(e.kind, e.id) for e in entities], keys)
         return result

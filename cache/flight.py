@@ -8,8 +8,9 @@ over a plain compute function (one process)::
       text in flight (another caller's, or earlier in these texts)  -> coalesced: await it
       otherwise                                                     -> miss: one new flight
       all new misses of the call -> ONE compute(texts, lane) in a task of its own:
-          rows computed -> written back (write_back, awaited) -> future resolved
-          -> entries dropped
+          rows computed -> rows future resolved (callers answered)
+          -> written back (write_back, awaited; with the entity links of its texts)
+          -> written future resolved (``durable`` callers answered) -> entries dropped
 
 An entry lives until its rows are written back, so a caller arriving later finds the text in
 flight or in the store, never neither (API.md v1.1). One window remains: a caller whose store
@@ -52,7 +53,8 @@ Row = npt.NDArray[np.float32]
 ComputeFn = Callable[[Sequence[str], str], Awaitable[Vectors]]
 """``async compute(texts, lane) -> (len(texts), dim) float32``; production: Batcher.submit."""
 Ttls = Mapping[str, float]  # text -> seconds, for the texts written with a TTL
-WriteBackFn = Callable[[Sequence[tuple[str, Row]], Ttls], Awaitable[bool]]
+Links = Sequence[tuple[str, str, str]]  # (kind, id, text): entities whose texts these are
+WriteBackFn = Callable[[Sequence[tuple[str, Row]], Ttls, Links], Awaitable[bool]]
 """Writes computed rows to the store; False when the store failed (absorbed)."""
 
 
@@ -76,6 +78,8 @@ class Flight(Protocol):
         caller: str,
         ttl_s: Ttls,
         since: float | None = None,
+        links: Links = (),
+        durable: bool = True,
     ) -> Flown: ...
 
 
@@ -83,12 +87,13 @@ class _Flight:
     """One compute call: its texts and ONE future for all their rows (not one per text: at
     warm-up sizes a future and its callbacks per text cost more than the cache)."""
 
-    __slots__ = ("future", "texts")
+    __slots__ = ("future", "texts", "written")
 
-    def __init__(self, future: asyncio.Future[Vectors]) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.texts: list[str] = []
-        self.future = future
-        future.add_done_callback(_retrieve)
+        self.future: asyncio.Future[Vectors] = loop.create_future()
+        self.future.add_done_callback(_retrieve)
+        self.written: asyncio.Future[None] = loop.create_future()  # the write-back ended
 
 
 def _retrieve(fut: asyncio.Future[Vectors]) -> None:
@@ -111,6 +116,7 @@ class SingleFlight:
         count_misses: bool = True,
         per_item_ms: Callable[[], float] = lambda: 0.0,
         recent: int = 8192,
+        on_settled: Callable[[], None] | None = None,
     ) -> None:
         self._compute = compute
         self._dim = dim
@@ -123,6 +129,7 @@ class SingleFlight:
         # process of one machine)
         self._recent: OrderedDict[str, tuple[_Flight, int, float]] = OrderedDict()
         self._max_recent = recent
+        self._on_settled = on_settled  # called when a flight's entries leave the map
         self._tasks: set[asyncio.Task[None]] = set()
 
     @property
@@ -138,8 +145,13 @@ class SingleFlight:
         caller: str,
         ttl_s: Ttls | None = None,
         since: float | None = None,
+        links: Links = (),
+        durable: bool = True,
     ) -> Flown:
-        """Rows of ``texts``; ``since``: when the caller's store lookup began (monotonic)."""
+        """Rows of ``texts``. ``since``: when the caller's store lookup began (monotonic).
+        ``links``: entities of these texts, linked to their vectors in the write-back's own
+        transaction. ``durable``: return once the rows are written back, not as soon as
+        they are computed (a caller that links entities itself needs its vectors first)."""
         loop = asyncio.get_running_loop()
         inflight = self._inflight
         flight: _Flight | None = None  # this call's own computation, if it needs one
@@ -153,7 +165,7 @@ class SingleFlight:
             coalesced.append(entry is not None)  # earlier in these texts counts too
             if entry is None:
                 if flight is None:
-                    flight = _Flight(loop.create_future())
+                    flight = _Flight(loop)
                 entry = inflight[text] = (flight, len(flight.texts))
                 flight.texts.append(text)
             waits.append(entry)
@@ -163,12 +175,15 @@ class SingleFlight:
             self._stats.record(caller, 0, joined, misses, self._per_item_ms() if joined else 0.0)
         if flight is not None:
             ttls = {t: ttl for t in flight.texts if (ttl := (ttl_s or {}).get(t)) is not None}
-            task = loop.create_task(self._run(flight, lane, ttls))
+            own = set(flight.texts) if links else set()
+            linked = [link for link in links if link[2] in own]
+            task = loop.create_task(self._run(flight, lane, ttls, linked))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         # asyncio.wait, not ``await fut``: cancelling this caller must not cancel the
         # futures that other callers share.
-        pending = {f.future for f, _ in waits if not f.future.done()}
+        pending = {f.written if durable else f.future for f, _ in waits}
+        pending = {f for f in pending if not f.done()}
         if pending:
             await asyncio.wait(pending)
         if not waits:
@@ -177,7 +192,7 @@ class SingleFlight:
             return Flown(flight.future.result(), coalesced)  # all its own, in order
         return Flown(np.stack([f.future.result()[i] for f, i in waits]), coalesced)
 
-    async def _run(self, flight: _Flight, lane: str, ttl_s: Ttls) -> None:
+    async def _run(self, flight: _Flight, lane: str, ttl_s: Ttls, links: Links) -> None:
         texts, fut = flight.texts, flight.future
         stored = False  # written back: then it stays joinable a little longer (``recent``)
         try:
@@ -196,14 +211,16 @@ class SingleFlight:
                 if err is not exc:
                     raise
                 return
-            try:
-                if self._write_back is not None:
-                    stored = await self._write_back(list(zip(texts, rows, strict=True)), ttl_s)
-            except Exception:  # the writer absorbs store failures; this guards against bugs
-                log.exception("write-back of %d texts failed", len(texts))
-            finally:  # cancelled mid-write (shutdown): the waiters still get their rows
-                fut.set_result(rows)
+            fut.set_result(rows)  # answered now; the entries stay until written back
+            if self._write_back is not None:
+                try:
+                    pairs = list(zip(texts, rows, strict=True))
+                    stored = await self._write_back(pairs, ttl_s, links)
+                except Exception:  # the writer absorbs store failures; this guards bugs
+                    log.exception("write-back of %d texts failed", len(texts))
         finally:
+            if not flight.written.done():  # durable waiters go on, whatever happened
+                flight.written.set_result(None)
             written_at = time.monotonic()
             for text in texts:
                 entry = self._inflight.get(text)
@@ -214,6 +231,8 @@ class SingleFlight:
                         self._recent.move_to_end(text)
             while len(self._recent) > self._max_recent:
                 self._recent.popitem(last=False)
+            if self._on_settled is not None:
+                self._on_settled()
 
     async def drain(self, grace_s: float) -> None:
         """Let running computations finish and write back (up to ``grace_s`` seconds)."""

@@ -57,25 +57,33 @@ class EntityLinks:
         Returns how many previous vectors were dropped. Store failures are absorbed and
         counted (the vectors were served already; a stale link only leaves an old entry).
         """
-        links = {
-            self.key(kind, eid): key.encode()
-            for (kind, eid), key in zip(entities, keys, strict=True)
-        }
-        current = set(links.values())
         try:
-            old = await self._store.amget(list(links))
-            changed = [
-                (lk, new) for (lk, new), was in zip(links.items(), old, strict=True) if was != new
-            ]
-            stale = {was for was in old if was is not None} - current
+            changed, stale = await self.plan(entities, keys)
             if stale:
-                await self._store.amdelete([k.decode() for k in stale])
+                await self._store.amdelete(stale)
             if changed:
                 await self._store.amset(changed)
         except Exception as exc:
             self._errors.record("relink", exc)
             return 0
         return len(stale)
+
+    async def plan(
+        self, entities: Sequence[tuple[str, str]], keys: Sequence[str]
+    ) -> tuple[list[tuple[str, bytes]], list[str]]:
+        """What pointing each ``(kind, id)`` at its key takes: the links that change, and the
+        vectors no entity of these points at any more (stale). Reads, writes nothing."""
+        links = {
+            self.key(kind, eid): key.encode()
+            for (kind, eid), key in zip(entities, keys, strict=True)
+        }
+        current = set(links.values())
+        old = await self._store.amget(list(links))
+        changed = [
+            (lk, new) for (lk, new), was in zip(links.items(), old, strict=True) if was != new
+        ]
+        stale = {was for was in old if was is not None} - current
+        return changed, sorted(k.decode() for k in stale)
 
     async def forget(self, kind: str, entity_id: str) -> int | None:
         """Drop the entity's vector and link from every tier: the number of vectors that

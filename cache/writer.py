@@ -18,6 +18,7 @@ from langchain_core.stores import ByteStore
 
 from cache import codec
 from cache.base import ErrorLog
+from cache.links import EntityLinks
 
 Row = npt.NDArray[np.float32]
 
@@ -40,6 +41,7 @@ class VectorWriter:
         self.dtype: codec.Dtype = dtype
         self.errors = errors or ErrorLog(f"cache namespace {namespace}")
         self._wall_clock = wall_clock
+        self.links = EntityLinks(store, namespace, self.errors)
 
     def key(self, text: str) -> str:
         """``{namespace}:{blake2b-256(text)}`` (the text is valid Unicode: the cache checks)."""
@@ -54,9 +56,13 @@ class VectorWriter:
         pairs: Sequence[tuple[str, Row]],
         ttl_s: Mapping[str, float],
         keys: Mapping[str, str] | None = None,
+        links: Sequence[tuple[str, str, str]] = (),
     ) -> bool:
         """Write ``(text, row)`` pairs (a text given twice: the last row), each with its TTL
         from ``ttl_s`` when it has one; ``keys`` are store keys the caller hashed already.
+        ``links``: ``(kind, id, text)`` of entities to link to their text's vector, in the
+        same store call as the vectors (one transaction on LMDB: a link never lands before
+        its vector); vectors the entities were linked to before are dropped after.
         False when the store failed (absorbed and counted)."""
         unique = dict(pairs)
         if not unique:
@@ -65,10 +71,19 @@ class VectorWriter:
         texts = list(unique)
         expiry = [None if (ttl := ttl_s.get(t)) is None else now + ttl for t in texts]
         values = codec.encode_many(list(unique.values()), self.dtype, expires_at=expiry)
-        known = keys or {}
-        entries = [(known.get(t) or self.key(t), v) for t, v in zip(texts, values, strict=True)]
+        known = dict(keys or {})
+        for text in texts:
+            known.setdefault(text, self.key(text))
+        entries = [(known[t], v) for t, v in zip(texts, values, strict=True)]
+        stale: list[str] = []
         try:
+            if links:
+                entities = [(kind, entity_id) for kind, entity_id, _ in links]
+                changed, stale = await self.links.plan(entities, [known[t] for *_, t in links])
+                entries += changed
             await self.store.amset(entries)
+            if stale:
+                await self.store.amdelete(stale)
         except Exception as exc:
             self.errors.record("mset", exc)
             return False

@@ -107,10 +107,15 @@ class EngineHost:
         self.flight = SingleFlight(
             self._compute,
             engine.info.dim,
-            write_back=writer.write if writer is not None else None,
+            write_back=(
+                None
+                if writer is None
+                else lambda pairs, ttl_s, links: writer.write(pairs, ttl_s, links=links)
+            ),
             stats=stats,
             count_misses=False,  # the batcher counts them, as it hands them to the engine
             per_item_ms=lambda: batcher.per_item_ms,
+            on_settled=self.publish,  # the in-flight gauge, once written back
         )
 
     async def _compute(self, texts: Sequence[str], lane: str) -> Vectors:
@@ -125,14 +130,22 @@ class EngineHost:
         caller: str,
         ttl_s: Mapping[str, float],
         since: float | None = None,
+        links: Sequence[tuple[str, str, str]] = (),
+        durable: bool = True,
     ) -> Flown:
         """Rows of ``texts`` (the misses of some worker's cache), computed once across every
         caller in flight; ``coalesced`` marks the texts that joined another computation.
-        ``since``: when the caller's store lookup began (``cache.flight``)."""
+        ``since``, ``links``, ``durable``: as ``cache.flight.SingleFlight.embed``."""
         token = _CALLER.set(caller)
         try:
             return await self.flight.embed(
-                texts, lane=lane, caller=caller, ttl_s=ttl_s, since=since
+                texts,
+                lane=lane,
+                caller=caller,
+                ttl_s=ttl_s,
+                since=since,
+                links=links,
+                durable=durable,
             )
         finally:
             _CALLER.reset(token)
@@ -266,6 +279,8 @@ def engine_handlers(host: EngineHost, server: RpcServer) -> dict[str, Handler]:
             caller=message["caller"],
             ttl_s=message["ttl"],
             since=message.get("since"),
+            links=[tuple(link) for link in message.get("links") or ()],
+            durable=bool(message.get("durable", True)),
         )
         return {"coalesced": bytes(flown.coalesced)}, [rows_frame(flown.rows)]
 
@@ -294,9 +309,18 @@ class RemoteEngine:
         caller: str,
         ttl_s: Mapping[str, float],
         since: float | None = None,
+        links: Sequence[tuple[str, str, str]] = (),
+        durable: bool = True,
     ) -> Flown:
         reply, frames = await self.client.call(
-            "embed", texts=list(texts), lane=lane, caller=caller, ttl=dict(ttl_s), since=since
+            "embed",
+            texts=list(texts),
+            lane=lane,
+            caller=caller,
+            ttl=dict(ttl_s),
+            since=since,
+            links=[list(link) for link in links],
+            durable=durable,
         )
         return Flown(frame_rows(frames[0], self.info.dim), [bool(c) for c in reply["coalesced"]])
 

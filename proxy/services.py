@@ -107,8 +107,11 @@ class Services:
         return float(self.engine.facts().get("per_item_ms") or 0.0)
 
     async def embed(self, texts: Sequence[str], caller: str) -> EmbedResult:
-        """Plain texts: no entity, so no TTL and no link."""
-        return await self.embedder.aembed(texts, caller=caller, lane=lane_for(caller))
+        """Plain texts: no entity, so no TTL and no link. Answered as soon as the misses are
+        computed: their write-back to the shared tier follows (they stay in flight until it
+        lands), off the request's latency."""
+        lane = lane_for(caller)
+        return await self.embedder.aembed(texts, caller=caller, lane=lane, durable=False)
 
     async def embed_entities(self, entities: Sequence[Entity], caller: str) -> EmbedResult:
         """Driver and vehicle records: their kind's TTL, and each linked to its vector."""
@@ -238,6 +241,7 @@ async def open_local_services(
         board = Board("worker")
         stack.callback(board.close)
         tiers = build_tiers(settings)
+        stack.push_async_callback(tiers.aclose)  # the last to go: after every write-back
         # one CacheStats for both halves: each mirrors its totals onto the same board
         stats = BoardCacheStats(board)
         host = await stack.enter_async_context(
@@ -247,7 +251,6 @@ async def open_local_services(
         embedder = _embedder(
             settings, host, tiers, host.namespace, host.info.dim, stats, host.per_item_ms, board
         )
-        stack.push_async_callback(embedder.aclose)
         yield Services(settings, embedder, host, index, tiers, board, Boards(own=board))
 
 
@@ -294,6 +297,7 @@ async def open_worker_services(
         engine = RemoteEngine(engine_client, cluster.info)
         index = RemoteIndex(index_client)
         tiers = build_tiers(settings)
+        stack.push_async_callback(tiers.aclose)  # the last to go: after every write-back
         stats = BoardCacheStats(board)
         info = cluster.info
 
@@ -303,7 +307,6 @@ async def open_worker_services(
         embedder = _embedder(
             settings, engine, tiers, cache_namespace(info), info.dim, stats, per_item_ms, board
         )
-        stack.push_async_callback(embedder.aclose)
         yield Services(
             settings,
             embedder,
