@@ -63,8 +63,11 @@ class Settings(BaseSettings):
     warmup_processes: int | Literal["auto"] = Field(
         "auto", description="reader processes of one warm-up job (auto: cores / 4, <= 8)"
     )
+    # A worker serves ~900-1,200 requests of 32 cached texts a second on the H200 machine and
+    # ~2,300 on the 2-core box (docs/BENCHMARKS.md): 64 waiting is 30-70 ms of queue; past
+    # that a 429 now serves a client better than a late answer (v1: 750 ms p99 at 64 in one).
     max_inflight_requests: int = Field(
-        512, ge=1, description="requests one worker admits at once; above it 429 + Retry-After"
+        64, ge=1, description="requests one worker admits at once; above it 429 + Retry-After"
     )
 
     @model_validator(mode="after")

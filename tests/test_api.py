@@ -6,6 +6,8 @@ import asyncio
 import base64
 import gc
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -225,3 +227,35 @@ def test_the_cli_server_freezes_the_heap_while_it_serves(tmp_path: Path) -> None
         assert gc.get_freeze_count() > 1000
         assert client.post("/v1/embeddings", json={"input": ["a"]}).status_code == 200
     assert gc.get_freeze_count() == 0  # undone on shutdown
+
+
+def test_a_worker_admits_at_most_its_limit_and_answers_429_above_it(tmp_path: Path) -> None:
+    """API.md v1.1: each worker admits at most FLEETCACHE_MAX_INFLIGHT_REQUESTS at once, then
+    answers 429 with Retry-After at once instead of queueing; the probes always answer."""
+    settings = make_settings(tmp_path / "data", max_inflight_requests=2)
+    app = create_app(settings, engine=FakeEngine(delay_s=1.0))
+    with LiveServer(app) as server:
+        while httpx.get(f"{server.url}/readyz").status_code != 200:
+            time.sleep(0.02)
+
+        def new_text(i: int) -> httpx.Response:
+            return httpx.post(
+                f"{server.url}/v1/embeddings", json={"input": [f"slow {i}"]}, timeout=30
+            )
+
+        with ThreadPoolExecutor(5) as pool:
+            slow = [pool.submit(new_text, i) for i in range(2)]
+            time.sleep(0.3)  # both admitted, held by the engine
+            started = time.perf_counter()
+            refused = [pool.submit(new_text, i) for i in range(2, 5)]
+            answers = [f.result() for f in refused]
+            assert time.perf_counter() - started < 0.9  # refused at once, not queued
+            assert httpx.get(f"{server.url}/healthz").status_code == 200
+            assert [f.result().status_code for f in slow] == [200, 200]
+        for answer in answers:
+            assert answer.status_code == 429
+            assert answer.headers["Retry-After"] == "1"
+            assert answer.json()["error"]["type"] == "rate_limit_error"
+        assert (
+            httpx.post(f"{server.url}/v1/embeddings", json={"input": ["after"]}).status_code == 200
+        )
