@@ -13,7 +13,7 @@ from indexes.geo import GeoGrid
 from indexes.nodes import driver_node, record_from_node
 from indexes.ranking import Candidate, Recommendation
 from indexes.store import FleetVectorStore
-from indexes.table import FleetTable
+from indexes.table import FleetTable, Prepared
 
 __all__ = [
     "BatchingEmbedding",
@@ -21,6 +21,7 @@ __all__ = [
     "EmbeddingsLike",
     "FleetIndexError",
     "FleetTable",
+    "Prepared",
     "FleetVectorStore",
     "GeoGrid",
     "Recommendation",

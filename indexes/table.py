@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any, get_args
@@ -62,6 +63,54 @@ CELL_DEG = 0.02
 # rows scattered), and gives up copying outside the lock after this many restarts.
 _SAVE_CHUNK = 8192
 _SAVE_TRIES = 3
+
+
+def constraint_bits(
+    records: Sequence[DriverRecord], names: Sequence[str] = tuple(CONSTRAINTS)[:_MAX_BITS]
+) -> npt.NDArray[np.uint64]:
+    """One bit per named constraint each record satisfies (the ``cbits`` column)."""
+    preds = [CONSTRAINTS[name] for name in names]
+    return np.fromiter(
+        (sum(1 << b for b, pred in enumerate(preds) if pred(r)) for r in records),
+        dtype=np.uint64,
+        count=len(records),
+    )
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """Records as the table keeps them: ids, vehicle ids, their JSON and their column values
+    (``Columns.fields_of``). Made where the records were validated (an HTTP worker, a
+    warm-up reader) so that the index owner parses nothing: ``fields`` travel as arrays."""
+
+    ids: list[str]
+    vehicle_ids: list[str]
+    blobs: list[bytes]
+    fields: dict[str, npt.NDArray[Any]]
+    rows: list[int] = field(default_factory=list)  # after ``deduplicated``: rows kept
+
+    @classmethod
+    def of(cls, records: Sequence[DriverRecord]) -> Prepared:
+        return cls(
+            ids=[r.driver_id for r in records],
+            vehicle_ids=[r.vehicle.vehicle_id for r in records],
+            blobs=[r.model_dump_json().encode() for r in records],
+            fields=Columns.fields_of(records, constraint_bits(records), _STATUS_CODE),
+        )
+
+    def deduplicated(self) -> Prepared:
+        """The last occurrence of each repeated driver id (``rows``: which were kept)."""
+        last = {driver_id: i for i, driver_id in enumerate(self.ids)}
+        if len(last) == len(self.ids):
+            return self
+        rows = list(last.values())
+        return Prepared(
+            ids=[self.ids[i] for i in rows],
+            vehicle_ids=[self.vehicle_ids[i] for i in rows],
+            blobs=[self.blobs[i] for i in rows],
+            fields={name: values[rows] for name, values in self.fields.items()},
+            rows=rows,
+        )
 
 
 class FleetTable:
@@ -138,25 +187,30 @@ class FleetTable:
         Everything is checked before anything changes. A driver_id repeated in one call: the
         last occurrence wins.
         """
-        recs = list(records)
-        for rec in recs:
+        for rec in records:
             if not isinstance(rec, DriverRecord):
                 raise TypeError(f"expected DriverRecord, got {type(rec).__name__}")
-        vecs = self._check_vectors(vectors, len(recs))
-        last = {rec.driver_id: i for i, rec in enumerate(recs)}
-        if len(last) != len(recs):
-            rows = list(last.values())
-            recs, vecs = [recs[i] for i in rows], vecs[rows]
-        if not recs:
+        self.upsert_prepared(Prepared.of(records), vectors)
+
+    def upsert_prepared(self, prepared: Prepared, vectors: npt.ArrayLike) -> None:
+        """``upsert_drivers`` of records already turned into what the table keeps
+        (``Prepared.of``, in any process): no record is parsed or validated here."""
+        vecs = self._check_vectors(vectors, len(prepared.ids))
+        prepared = prepared.deduplicated()
+        if len(prepared.ids) != len(vecs):
+            vecs = vecs[prepared.rows]
+        if not prepared.ids:
             return
-        blobs = [rec.model_dump_json().encode() for rec in recs]
-        fields = Columns.fields_of(recs, self._constraint_bits(recs), _STATUS_CODE)
+        ids, vehicle_ids, blobs, fields = (
+            prepared.ids,
+            prepared.vehicle_ids,
+            prepared.blobs,
+            prepared.fields,
+        )
         with self._lock:
-            slot_of, ids, vehicles, json = self._slot_of, self._ids, self._vehicles, self._json
-            n = len(ids)
-            slots = np.fromiter(
-                (slot_of.get(r.driver_id, -1) for r in recs), dtype=np.int64, count=len(recs)
-            )
+            slot_of, slot_ids, vehicles, json = self._slot_of, self._ids, self._vehicles, self._json
+            n = len(slot_ids)
+            slots = np.fromiter((slot_of.get(d, -1) for d in ids), dtype=np.int64, count=len(ids))
             old = np.flatnonzero(slots >= 0)
             new = np.flatnonzero(slots < 0)
             # Add first: should FAISS fail to add, nothing has changed yet.
@@ -165,16 +219,16 @@ class FleetTable:
             self._vectors_changed()
             slots[new] = np.arange(n, n + new.size)
             for i in old.tolist():
-                vehicles[slots[i]] = recs[i].vehicle.vehicle_id
+                vehicles[slots[i]] = vehicle_ids[i]
                 json[slots[i]] = blobs[i]
-            for i, rec in zip(new.tolist(), (recs[i] for i in new.tolist()), strict=True):
-                slot_of[rec.driver_id] = n
-                ids.append(rec.driver_id)
-                vehicles.append(rec.vehicle.vehicle_id)
+            for i in new.tolist():
+                slot_of[ids[i]] = n
+                slot_ids.append(ids[i])
+                vehicles.append(vehicle_ids[i])
                 json.append(blobs[i])
                 n += 1
-            fids = np.arange(self._next_id, self._next_id + len(recs), dtype=np.int64)
-            self._next_id += len(recs)
+            fids = np.arange(self._next_id, self._next_id + len(ids), dtype=np.int64)
+            self._next_id += len(ids)
             cols = self._cols = self._cols.grown(n)
             cols.put(slots, fids, fields)
             self._quant.grow(n)
@@ -494,12 +548,7 @@ class FleetTable:
         return self._check_vectors(arr[None, :], 1)[0]
 
     def _constraint_bits(self, records: Sequence[DriverRecord]) -> npt.NDArray[np.uint64]:
-        preds = [CONSTRAINTS[name] for name in self._constraints]
-        return np.fromiter(
-            (sum(1 << b for b, pred in enumerate(preds) if pred(r)) for r in records),
-            dtype=np.uint64,
-            count=len(records),
-        )
+        return constraint_bits(records, self._constraints)
 
     def _record(self, slot: int) -> DriverRecord:
         """The current record of a slot: the stored JSON with its live status and position."""

@@ -309,7 +309,7 @@ async def run_sharded(
 ) -> WarmupProgress:
     """A warm-up job over ``shards`` reader processes (one: in this process), their progress
     combined into ``progress``; their rejects merged into ``options.rejects`` at the end."""
-    progress.state = "running"
+    progress.state, progress.started = "running", time.time()  # rates from the first row
     try:
         if shards == 1:
             await run_shard(spec, options, Shard(0, 1), progress, on_progress, stopped)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -100,6 +101,21 @@ def test_unreadable_input_is_a_nonzero_exit(env: Path, tmp_path: Path) -> None:
     assert CliRunner().invoke(cli, ["warmup", str(tmp_path / "fleet.xml")]).exit_code == 2
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc: parent ids)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def test_resume_after_kill_embeds_nothing_twice(env: Path, tmp_path: Path) -> None:
     source = tmp_path / "big.jsonl"
     drivers = generate_fleet(12_000, seed=7)
@@ -129,7 +145,11 @@ def test_resume_after_kill_embeds_nothing_twice(env: Path, tmp_path: Path) -> No
             break
         time.sleep(0.05)
     assert first.poll() is None, "the first run ended before it could be killed"
-    os.kill(first.pid, signal.SIGKILL)
+    # The run and the engine and index processes it started, all at once: a crash, with no
+    # graceful drain anywhere (left alone, the engine would go on writing for a moment).
+    for pid in [first.pid, *descendants(first.pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     first.wait()
     done_before = json.loads(checkpoint.read_text())["rows"]
     assert 0 < done_before < 12_000
