@@ -6,6 +6,7 @@ Exceptions::
      +-- EngineUnavailableError the engine cannot run here (missing extra, no GPU), or it is
      |                          unhealthy and nothing may serve in its place (HTTP 503)
      +-- QueueFullError         the batcher's bounded queue is full (the proxy answers 429)
+     |    +-- TooLargeError     more texts than the queue can ever hold (413: retrying is useless)
      +-- DeadlineExceededError  an item's deadline passed before it reached the engine
 
 An engine turns texts into L2-normalised float32 vectors in three steps: ``tokenize`` (CPU, any
@@ -39,6 +40,10 @@ class EngineUnavailableError(EngineError):
 
 class QueueFullError(EngineError):
     """The batcher's queue is full; retry later (HTTP 429)."""
+
+
+class TooLargeError(QueueFullError):
+    """More texts at once than the queue can ever hold: no retry would help (HTTP 413)."""
 
 
 class DeadlineExceededError(EngineError):

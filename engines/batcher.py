@@ -65,6 +65,7 @@ from engines.base import (
     EngineError,
     EngineUnavailableError,
     QueueFullError,
+    TooLargeError,
     Vectors,
 )
 
@@ -308,6 +309,11 @@ class Batcher:
             return np.empty((0, self.engine.dim), dtype=np.float32)
         if deadline is not None and deadline <= time.monotonic():
             raise DeadlineExceededError(f"deadline passed before {len(texts)} texts were queued")
+        if len(texts) > self.max_queue:
+            raise TooLargeError(
+                f"{len(texts)} new texts at once can never enter a queue of max_queue="
+                f"{self.max_queue}: send fewer"
+            )
         if self._queued + len(texts) > self.max_queue:
             raise QueueFullError(
                 f"batcher queue full: {self._queued} items waiting, {len(texts)} more "

@@ -2,6 +2,11 @@
 
 Unknown extra fields are ignored; a missing or out-of-range required field is a pydantic
 ``ValidationError`` that names it (the proxy turns it into a 422).
+
+Bounds are generous for any real vehicle but keep the embedded text sane: without them a
+``capacity_kg`` of 1e308 rendered a 308-digit number into the text and ``completed_orders``
+of 10**400 was accepted (issue 12). Identifiers carry no control characters (a NUL in an id
+ended up in store keys and logs).
 """
 
 from __future__ import annotations
@@ -9,16 +14,24 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints
 
 Status = Literal["available", "busy", "offline"]
 VehicleType = Literal["car", "van", "truck", "e-bike", "motorbike"]
 Energy = Literal["electric", "diesel", "gasoline", "hybrid"]
-Identifier = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=128)]
+NO_CONTROL = r"^[^\x00-\x1f\x7f]*$"
+Identifier = Annotated[
+    str,
+    StringConstraints(strip_whitespace=True, min_length=1, max_length=128, pattern=NO_CONTROL),
+]
 Latitude = Annotated[float, Field(ge=-90.0, le=90.0, allow_inf_nan=False)]
 Longitude = Annotated[float, Field(ge=-180.0, le=180.0, allow_inf_nan=False)]
-NonNegative = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 Rate = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+# kg, m3, m: above the largest road vehicles (a 60 t road train, ~150 m3, 5 m high)
+Kilograms = Annotated[float, Field(ge=0.0, le=100_000.0, allow_inf_nan=False)]
+CubicMetres = Annotated[float, Field(ge=0.0, le=1_000.0, allow_inf_nan=False)]
+Metres = Annotated[float, Field(ge=0.0, le=20.0, allow_inf_nan=False)]
+Label = Annotated[str, StringConstraints(max_length=64)]
 
 
 class _Record(BaseModel):
@@ -38,9 +51,9 @@ class VehicleRecord(_Record):
     vehicle_id: Identifier
     type: VehicleType
     energy: Energy
-    capacity_kg: NonNegative
-    cargo_volume_m3: NonNegative
-    cargo_height_m: NonNegative
+    capacity_kg: Kilograms
+    cargo_volume_m3: CubicMetres
+    cargo_height_m: Metres
     refrigerated: bool = False
     tail_lift: bool = False
 
@@ -49,10 +62,12 @@ class Profile(_Record):
     on_time_rate: Rate | None = None
     damage_rate: Rate | None = None
     service_score: Annotated[float, Field(ge=0.0, le=5.0, allow_inf_nan=False)] | None = None
-    completed_orders: Annotated[int, Field(ge=0)] = 0
-    certifications: list[Annotated[str, StringConstraints(max_length=64)]] = []
-    languages: list[Annotated[str, StringConstraints(max_length=16)]] = []
-    home_zone: Annotated[str, StringConstraints(max_length=64)] | None = None
+    completed_orders: Annotated[int, Field(ge=0, le=10**9)] = 0
+    certifications: list[Label] = Field(default=[], max_length=64)
+    languages: list[Annotated[str, StringConstraints(max_length=16)]] = Field(
+        default=[], max_length=64
+    )
+    home_zone: Label | None = None
 
 
 class DriverRecord(_Record):
@@ -66,9 +81,9 @@ class DriverRecord(_Record):
 class Cargo(_Record):
     """What an order carries; a field left out asks nothing of the vehicle."""
 
-    weight_kg: NonNegative = 0.0
-    volume_m3: NonNegative = 0.0
-    height_m: NonNegative = 0.0
+    weight_kg: Kilograms = 0.0
+    volume_m3: CubicMetres = 0.0
+    height_m: Metres = 0.0
 
 
 def _now() -> datetime:
@@ -82,8 +97,10 @@ class Order(_Record):
     pickup: LatLng
     pickup_time: datetime = Field(default_factory=_now)
     cargo: Cargo | None = None
-    constraints: list[str] = []
+    constraints: list[Annotated[str, StringConstraints(max_length=64)]] = Field(
+        default=[], max_length=32
+    )
     requirements: Annotated[str, StringConstraints(max_length=2000)] = ""
     radius_km: Annotated[float, Field(gt=0.0, le=100.0, allow_inf_nan=False)] = 5.0
-    k: Annotated[int, Field(ge=1, le=200)] = 10
-    explain: bool = False
+    k: Annotated[int, Field(ge=1, le=200, strict=True)] = 10
+    explain: StrictBool = False

@@ -39,6 +39,7 @@ _EXTENSIONS: dict[str, Format] = {
     ".parquet": "parquet",
     ".pq": "parquet",
 }
+FORMAT_SUFFIXES = _EXTENSIONS  # what file_format knows, by extension
 
 FLAT_COLUMNS: tuple[str, ...] = (
     "driver_id",

@@ -22,9 +22,10 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 
 import orjson
 from fastapi import FastAPI
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engines.base import Engine
+from proxy.body import BodyError
 from proxy.errors import install_error_handlers
 from proxy.jobs import ProcessJobs
 from proxy.processes import load_demo_fleet
@@ -57,25 +58,69 @@ def frozen_heap() -> Iterator[None]:
         gc.unfreeze()
 
 
+def _error_body(type: str, message: str) -> bytes:
+    return orjson.dumps({"error": {"type": type, "message": message, "param": None}})
+
+
 class Admission:
-    """Pure ASGI: at most ``limit`` requests of this worker at once (hits too), an immediate
-    429 with ``Retry-After`` above it instead of a queue that turns into seconds of p99. After
-    every request the worker's counters are published to its board."""
+    """Pure ASGI, in front of everything:
+
+    - at most ``limit`` requests of this worker at once (hits too): an immediate 429 with
+      ``Retry-After`` above it, instead of a queue that turns into seconds of p99;
+    - bodies over ``settings.max_body_mb`` (warm-up uploads: ``max_upload_mb``) are a 413,
+      before a byte is read when the request says its length, else as soon as the count
+      passes the limit (``BodyError`` from ``receive``: the route never sees the rest);
+    - after every request the worker's counters are published to its board."""
 
     def __init__(self, app: ASGIApp, limit: int, fastapi: FastAPI) -> None:
         self.app = app
         self.limit = limit
         self.fastapi = fastapi
         self.active = 0
-        self._busy = orjson.dumps(
+        self._busy = _error_body(
+            "rate_limit_error", f"this worker holds {limit} requests already; retry shortly"
+        )
+
+    def _body_limit(self, scope: Scope) -> tuple[int, str]:
+        settings = self.fastapi.state.settings
+        if scope["method"] == "POST" and scope["path"] == "/v1/warmup":
+            return int(settings.max_upload_mb * 2**20), "FLEETCACHE_MAX_UPLOAD_MB"
+        return int(settings.max_body_mb * 2**20), "FLEETCACHE_MAX_BODY_MB"
+
+    @staticmethod
+    async def _answer(send: Send, status: int, body: bytes, *headers: tuple[bytes, bytes]) -> None:
+        await send(
             {
-                "error": {
-                    "type": "rate_limit_error",
-                    "message": f"this worker holds {limit} requests already; retry shortly",
-                    "param": None,
-                }
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    *headers,
+                ],
             }
         )
+        await send({"type": "http.response.body", "body": body})
+
+    def _limited(self, scope: Scope, receive: Receive) -> Receive | bytes:
+        """``receive`` counting the body against its limit, or the 413 to answer at once."""
+        limit, setting = self._body_limit(scope)
+        message = f"the request body is over {limit / 2**20:g} MB ({setting})"
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                return _error_body("invalid_request_error", message)
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            incoming = await receive()
+            if incoming["type"] == "http.request":
+                seen += len(incoming.get("body", b""))
+                if seen > limit:
+                    raise BodyError(413, "invalid_request_error", message)
+            return incoming
+
+        return counted
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in PROBES:
@@ -85,22 +130,15 @@ class Admission:
         if self.active >= self.limit:
             if services is not None:
                 services.board.add("requests.rejected")
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 429,
-                    "headers": [
-                        (b"content-type", b"application/json"),
-                        (b"retry-after", b"1"),
-                        (b"content-length", str(len(self._busy)).encode()),
-                    ],
-                }
-            )
-            await send({"type": "http.response.body", "body": self._busy})
+            await self._answer(send, 429, self._busy, (b"retry-after", b"1"))
+            return
+        limited = self._limited(scope, receive)
+        if isinstance(limited, bytes):
+            await self._answer(send, 413, limited, (b"connection", b"close"))
             return
         self.active += 1
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, limited, send)
         finally:
             self.active -= 1
             if services is not None:

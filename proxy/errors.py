@@ -10,6 +10,7 @@ Exceptions translated here, one handler per family::
      +-- proxy.body.BodyError       a body refused at the edge: 400 invalid_json, or 422 for a
                                     string that is not valid Unicode (param = its path)
     features UnknownConstraintError 422, param "constraints", lists the known ones
+    engines TooLargeError           413 (more new texts than the queue can ever hold)
     engines QueueFullError          429 (retry later)
     engines DeadlineExceededError   503 "deadline_exceeded" (queued past its deadline; retry)
     proxy.ipc ServiceUnavailableError  503 "<service>_unavailable" + Retry-After: the engine
@@ -39,6 +40,7 @@ from engines.base import (
     EngineError,
     EngineUnavailableError,
     QueueFullError,
+    TooLargeError,
 )
 from features.constraints import UnknownConstraintError
 from proxy.body import BodyError
@@ -117,6 +119,10 @@ def _constraint(request: Request, exc: Exception) -> JSONResponse:
     return error_response(422, str(exc), type="invalid_request_error", param="constraints")
 
 
+def _too_large(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(413, str(exc), type="invalid_request_error", param="input")
+
+
 def _queue_full(request: Request, exc: Exception) -> JSONResponse:
     return error_response(
         429,
@@ -163,6 +169,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http)
     app.add_exception_handler(UnknownConstraintError, _constraint)
+    app.add_exception_handler(TooLargeError, _too_large)
     app.add_exception_handler(QueueFullError, _queue_full)
     app.add_exception_handler(DeadlineExceededError, _deadline)
     app.add_exception_handler(EngineUnavailableError, _unavailable)

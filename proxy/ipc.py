@@ -45,6 +45,7 @@ from engines.base import (
     EngineError,
     EngineUnavailableError,
     QueueFullError,
+    TooLargeError,
 )
 
 log = logging.getLogger("fleetcache.ipc")
@@ -79,6 +80,7 @@ class NotFoundError(KeyError):
 # of names it (subclasses first).
 ERRORS: dict[str, type[Exception]] = {
     "service_unavailable": ServiceUnavailableError,
+    "too_large": TooLargeError,
     "queue_full": QueueFullError,
     "deadline_exceeded": DeadlineExceededError,
     "engine_unavailable": EngineUnavailableError,

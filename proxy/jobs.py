@@ -233,7 +233,7 @@ async def run_shard(
                 path,
                 LocalSink(
                     services,
-                    JOB_SLICE,
+                    min(JOB_SLICE, settings.max_queue),
                     dispatch_lookups=traffic.lookups,
                     max_lag_s=None,
                 ),
@@ -245,6 +245,7 @@ async def run_shard(
                 on_progress=on_progress,
                 cancelled=lambda: stopped() or cancel_file.exists(),
                 shard=shard,
+                max_rejects=settings.max_rejects // shard.count,  # merged: at most the cap
             )
 
 

@@ -34,10 +34,9 @@ from proxy.engine_host import RemoteEngine, build_engine, engine_handlers, open_
 from proxy.index_host import RemoteIndex, index_handlers, open_index_host
 from proxy.ipc import RpcServer, address
 from proxy.services import Cluster, Services, open_worker_services
-from proxy.settings import Settings
+from proxy.settings import DEMO_CHUNK, Settings
 
 log = logging.getLogger("fleetcache.proxy")
-DEMO_CHUNK = 250
 ENGINE_FILE = "engine.json"
 _PR_SET_PDEATHSIG = 1
 

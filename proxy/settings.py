@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+DEMO_CHUNK = 250  # drivers per call while the demo fleet loads (proxy.processes)
 EngineKind = Literal["torch", "onnxruntime", "tensorrt", "fake"]
 StoreKind = Literal["lmdb", "redis", "memory"]
 
@@ -54,6 +55,10 @@ class Settings(BaseSettings):
     # request limits (API.md)
     max_texts_per_request: int = Field(2048, ge=1)
     max_records_per_request: int = Field(10_000, ge=1)
+    max_text_chars: int = Field(20_000, ge=1, description="one text's length (413 above)")
+    max_body_mb: float = Field(16.0, gt=0.0, description="a request body (413 above)")
+    max_upload_mb: float = Field(512.0, gt=0.0, description="a warm-up upload body")
+    max_rejects: int = Field(10_000, ge=0, description="lines kept in a job's rejects file")
     # fleet index
     demo_drivers: int = Field(0, ge=0, description="synthetic drivers loaded at start")
     demo_seed: int = 0
@@ -74,6 +79,18 @@ class Settings(BaseSettings):
     def _check_combinations(self) -> Settings:
         if self.store == "redis" and not self.redis_url.startswith(("redis://", "rediss://")):
             raise ValueError("FLEETCACHE_REDIS_URL must start with redis:// or rediss://")
+        if self.max_queue < self.max_texts_per_request:
+            raise ValueError(
+                f"FLEETCACHE_MAX_QUEUE={self.max_queue} is below "
+                f"FLEETCACHE_MAX_TEXTS_PER_REQUEST={self.max_texts_per_request}: a request "
+                "of that many new texts could never enter the queue"
+            )
+        if self.demo_drivers and self.max_queue < DEMO_CHUNK:
+            raise ValueError(
+                f"FLEETCACHE_MAX_QUEUE={self.max_queue} is below the demo fleet's chunk of "
+                f"{DEMO_CHUNK} drivers (FLEETCACHE_DEMO_DRIVERS={self.demo_drivers}): it could "
+                "never be loaded"
+            )
         if self.engine == "fake" and self.model_path:
             raise ValueError("FLEETCACHE_MODEL_PATH has no meaning with FLEETCACHE_ENGINE=fake")
         return self

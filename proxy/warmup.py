@@ -154,9 +154,11 @@ async def run_warmup(
     on_progress: Callable[[WarmupProgress], None] | None = None,
     cancelled: Callable[[], bool] = lambda: False,
     shard: Shard | None = None,
+    max_rejects: int | None = None,
 ) -> WarmupProgress:
     """Run one job to its end (``sink=None`` is a dry run: validate and count only); with
-    ``shard``, only its share of the rows (``rows`` still counts every row read).
+    ``shard``, only its share of the rows (``rows`` still counts every row read). At most
+    ``max_rejects`` invalid rows are written to ``rejects`` (``rejected`` counts them all).
 
     Pipelined: the next chunk is read and validated in a thread while up to ``depth``
     chunks are in the sink at once (so the engine's batcher always has work queued). The
@@ -200,7 +202,7 @@ async def run_warmup(
             fresh = chunk[max(0, skip - progress.rows) :]
             progress.rows += len(chunk)
             records = [row.record for row in fresh if row.record is not None]
-            _reject(fresh, progress, rejects)
+            _reject(fresh, progress, rejects, max_rejects)
             if records and sink is not None:
                 in_sink.append((progress.rows, asyncio.create_task(sink.upsert(records))))
             else:
@@ -230,11 +232,13 @@ async def run_warmup(
     return progress
 
 
-def _reject(rows: list[Row], progress: WarmupProgress, rejects: IO[str] | None) -> None:
+def _reject(
+    rows: list[Row], progress: WarmupProgress, rejects: IO[str] | None, cap: int | None
+) -> None:
     for row in rows:
         if row.error is not None:
             progress.rejected += 1
-            if rejects is not None:
+            if rejects is not None and (cap is None or progress.rejected <= cap):
                 rejects.write(json.dumps({"line": row.line, "error": row.error}) + "\n")
 
 
@@ -485,6 +489,7 @@ class WarmupJobs:
                     # is copied): no more often than the server's own snapshots.
                     commit_every_s=services.settings.snapshot_interval_s,
                     cancelled=lambda: job.cancel_requested,
+                    max_rejects=services.settings.max_rejects,
                 )
 
         job.task = asyncio.create_task(run(), name=f"warmup-{job_id}")

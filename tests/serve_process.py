@@ -2,7 +2,8 @@
 
 ``FleetcacheServer(tmp_path, workers=2, **settings).start()`` runs the CLI on a free loopback
 port with the fake engine and waits for ``/readyz``; ``stop()`` sends SIGTERM (as an operator
-would) and waits for the whole tree to exit. ``pids()`` reads ``/v1/stats`` ``processes``.
+would) and waits for the whole tree to exit. ``pids()`` reads ``/v1/stats`` ``processes``;
+``descendants(pid)`` finds a whole tree, to kill it at once with SIGKILL (a crash).
 """
 
 from __future__ import annotations
@@ -104,3 +105,18 @@ def alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc: parent ids)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found

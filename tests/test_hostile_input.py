@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,6 +23,7 @@ from cache.stores import MemoryByteStore
 from engines.fake import FakeEngine
 from features.synthetic import generate_fleet
 from proxy.body import invalid_string_path, parse_json
+from tests.conftest import make_settings, open_client, wait_ready
 
 BAD = "x\ud800"
 
@@ -186,3 +189,127 @@ def test_the_cache_refuses_invalid_text_before_any_lookup() -> None:
     assert info.value.index == 1
     assert computed == []
     assert cache.stats()["misses"] == 0
+
+
+# -- limits (API.md v1.1, "Limits and hostile input") ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"driver_id": "D\x001"}, "drivers[0].driver_id"),
+        ({"vehicle.vehicle_id": "V\x00"}, "drivers[0].vehicle.vehicle_id"),
+        ({"vehicle.capacity_kg": 1e308}, "drivers[0].vehicle.capacity_kg"),
+        ({"vehicle.cargo_height_m": 300}, "drivers[0].vehicle.cargo_height_m"),
+        ({"profile.completed_orders": 10**400}, "drivers[0].profile.completed_orders"),
+        ({"profile.certifications": ["x"] * 65}, "drivers[0].profile.certifications"),
+    ],
+)
+def test_values_no_real_record_has_are_refused(
+    client: TestClient, fake_engine: FakeEngine, change: dict[str, Any], param: str
+) -> None:
+    """Defect 8 of issue 12: a NUL in an id, a 308-digit capacity, 10**400 orders."""
+    items = fake_engine.items
+    record = driver(**{k: v for k, v in change.items() if k != "driver_id"})
+    if "driver_id" in change:
+        record["driver_id"] = change["driver_id"]
+    response = send(client, "PUT", "/v1/fleet/drivers", {"drivers": [record]})
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["param"] == param
+    assert fake_engine.items == items
+    assert client.get("/v1/stats").json()["fleet"]["drivers"] == 0
+
+
+@pytest.mark.parametrize("explain", ["yes", 1, "true"])
+def test_recommend_flags_take_booleans_only(client: TestClient, explain: Any) -> None:
+    order = {"order_id": "O1", "pickup": {"lat": 31.2, "lng": 121.4}, "explain": explain}
+    response = client.post("/v1/dispatch/recommend", json=order)
+    assert response.status_code == 422
+    assert response.json()["error"]["param"] == "explain"
+
+
+def test_a_text_over_the_character_limit_is_a_413_naming_it(tmp_path: Path) -> None:
+    with open_client(make_settings(tmp_path / "data", max_text_chars=100)) as client:
+        wait_ready(client)
+        response = client.post("/v1/embeddings", json={"input": ["short", "x" * 101]})
+        assert response.status_code == 413
+        assert response.json()["error"]["param"] == "input[1]"
+        assert client.get("/v1/stats").json()["cache"]["misses"] == 0
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    """Defect 5 of issue 12 (a 50 MB string stalled the loop for 5.5 s): 413 from the length
+    header alone, and for a body without one as soon as its bytes pass the limit."""
+    settings = make_settings(tmp_path / "data", max_body_mb=0.01, max_upload_mb=0.02)
+    with open_client(settings) as client:
+        wait_ready(client)
+        big = json.dumps({"input": ["x" * 20_000]})
+        declared = client.post(
+            "/v1/embeddings", content=big, headers={"content-type": "application/json"}
+        )
+        assert declared.status_code == 413
+        assert "FLEETCACHE_MAX_BODY_MB" in declared.json()["error"]["message"]
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: sent chunked
+            yield big.encode()
+
+        streamed = client.post(
+            "/v1/embeddings", content=chunks(), headers={"content-type": "application/json"}
+        )
+        assert streamed.status_code == 413
+        upload = client.post(
+            "/v1/warmup",
+            content=iter([b'{"driver_id": "D1"}\n' * 2000]),
+            headers={"content-type": "application/x-ndjson"},
+        )
+        assert upload.status_code == 413
+        assert "FLEETCACHE_MAX_UPLOAD_MB" in upload.json()["error"]["message"]
+        assert not list((settings.data_dir / "warmup").glob("upload-*"))  # nothing left behind
+        assert client.get("/v1/stats").status_code == 200
+
+
+def test_more_new_texts_than_the_queue_holds_is_a_413_not_a_429(tmp_path: Path) -> None:
+    """Defect 4 of issue 12: such a request used to get 429 + Retry-After forever."""
+    settings = make_settings(tmp_path / "data", max_queue=32, max_texts_per_request=32)
+    with open_client(settings) as client:
+        wait_ready(client)
+        texts = [f"t{i}" for i in range(33)]
+        response = client.post(
+            "/v1/features/embed",
+            json={
+                "vehicles": [
+                    {**driver()["vehicle"], "vehicle_id": f"V{i}", "capacity_kg": 100 * i + 10}
+                    for i in range(33)
+                ]
+            },
+        )
+        assert response.status_code == 413, response.status_code  # 33 distinct new texts
+        assert "Retry-After" not in response.headers
+        assert client.post("/v1/embeddings", json={"input": texts[:32]}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"max_queue": 32}, "FLEETCACHE_MAX_TEXTS_PER_REQUEST"),
+        ({"max_queue": 100, "max_texts_per_request": 50, "demo_drivers": 10}, "DEMO"),
+    ],
+)
+def test_settings_under_which_requests_could_never_be_queued_are_refused(
+    tmp_path: Path, overrides: dict[str, Any], named: str
+) -> None:
+    with pytest.raises(ValueError, match=named):
+        make_settings(tmp_path / "data", **overrides)
+
+
+def test_a_warmup_naming_a_file_of_unknown_format_is_a_422(
+    client: TestClient, settings: Any
+) -> None:
+    """Defect 7 of issue 12: such a job reported `running`, rows 0, forever."""
+    (settings.data_dir / "fleet.xml").write_text("<drivers/>")
+    response = client.post("/v1/warmup", json={"path": "fleet.xml"})
+    assert response.status_code == 422
+    assert response.json()["error"]["param"] == "path"
+    outside = client.post("/v1/warmup", json={"path": "../../etc/passwd"})
+    assert outside.status_code == 422
+    assert str(settings.data_dir.resolve()) not in outside.text  # no server paths in answers

@@ -58,7 +58,7 @@ STATUSES = ("available", "busy", "offline")
 TYPES = ("car", "van", "truck", "e-bike", "motorbike")
 ENERGIES = ("electric", "diesel", "gasoline", "hybrid")
 # Few distinct values, shared by vehicles and cargo, so "equal fits" happens often.
-SIZES = (0.0, 1.0, 2.5, 300.0, 1200.0)
+SIZES = (0.0, 1.0, 2.5, 12.0, 20.0)  # within every size bound (height <= 20 m)
 PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import httpx
@@ -25,8 +26,10 @@ from features.readers import write_records
 from features.synthetic import generate_fleet
 from features.text import driver_text
 from proxy.cli import app as cli
-from proxy.warmup import RemoteSink
+from proxy.jobs import ProcessJobs
+from proxy.warmup import RemoteSink, WarmupProgress, run_warmup
 from tests.conftest import make_settings, open_client, wait_ready
+from tests.serve_process import descendants
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -99,21 +102,6 @@ def test_unreadable_input_is_a_nonzero_exit(env: Path, tmp_path: Path) -> None:
     assert CliRunner().invoke(cli, ["warmup", str(tmp_path / "missing.jsonl")]).exit_code == 2
     (tmp_path / "fleet.xml").write_text("<drivers/>")
     assert CliRunner().invoke(cli, ["warmup", str(tmp_path / "fleet.xml")]).exit_code == 2
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (from /proc: parent ids)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def test_resume_after_kill_embeds_nothing_twice(env: Path, tmp_path: Path) -> None:
@@ -338,3 +326,32 @@ def test_three_reader_processes_index_every_row_once_and_later_rows_win(
             assert stored["status"] == "busy"
             assert stored["vehicle"]["vehicle_id"] == later.vehicle.vehicle_id
         assert client.get("/v1/stats").json()["fleet"]["drivers"] == 300
+
+
+def test_a_jobs_rejects_file_is_capped_but_every_reject_counted(tmp_path: Path) -> None:
+    source = tmp_path / "junk.jsonl"
+    source.write_text("".join(f'{{"driver_id": "J{i}"}}\n' for i in range(50)))
+    progress = WarmupProgress(source="junk.jsonl")
+    rejects = tmp_path / "rejects.jsonl"
+    with rejects.open("w") as out:
+        asyncio.run(run_warmup(source, None, progress, rejects=out, max_rejects=7))
+    assert progress.rejected == 50
+    assert len(rejects.read_text().splitlines()) == 7
+
+
+def test_a_job_whose_process_is_gone_reads_failed_and_resumable(tmp_path: Path) -> None:
+    """Defect 7 of issue 12: a job running when the server died was never shown as ended."""
+    settings = make_settings(tmp_path / "data")
+    jobs_dir = settings.data_dir / "warmup" / "jobs"
+    jobs_dir.mkdir(parents=True)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    state = {**asdict(WarmupProgress(source="fleet.jsonl", state="running", rows=500))}
+    state |= {"pid": dead.pid, "server": "fleetcache-old", "path": "x", "chunk_size": 500}
+    (jobs_dir / "w1-abc.json").write_text(json.dumps(state))
+    run_dir = tmp_path / "fleetcache-new"
+    run_dir.mkdir()
+    progress = ProcessJobs(settings, run_dir).get("w1-abc")
+    assert progress is not None
+    assert (progress.state, progress.error, progress.rows) == ("failed", "server restarted", 500)
+    assert progress.finished is not None

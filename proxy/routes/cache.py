@@ -7,6 +7,7 @@ token they answer 403 (disabled), with a missing or wrong one 401.
 from __future__ import annotations
 
 import hmac
+import logging
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Request
@@ -16,6 +17,7 @@ from proxy.deps import ServicesDep
 from proxy.errors import APIError
 from proxy.settings import Settings
 
+log = logging.getLogger("fleetcache.proxy")
 router = APIRouter(tags=["cache"], route_class=JSONRoute)
 
 EntityKind = Literal["driver", "vehicle"]
@@ -56,7 +58,10 @@ async def forget_entity(
     try:
         deleted = await services.forget_entity(kind, entity_id)
     except Exception as exc:
-        raise APIError(503, f"cache store unavailable: {exc!r}", type="store_error") from exc
+        log.warning("forgetting %s %r failed: %r", kind, entity_id, exc)
+        raise APIError(
+            503, "the cache store is unavailable; retry shortly", type="store_error"
+        ) from exc
     if deleted is None:
         raise APIError(
             404, f"no cached vector is linked to {kind} {entity_id!r}", param="id", type="not_found"

@@ -65,10 +65,18 @@ async def create_embeddings(
     body: EmbeddingsRequest, services: ServicesDep, caller: CallerDep
 ) -> Response:
     started = time.perf_counter()
-    texts = body.input
-    if len(texts) > services.settings.max_texts_per_request:
-        limit = services.settings.max_texts_per_request
+    texts, settings = body.input, services.settings
+    if len(texts) > settings.max_texts_per_request:
+        limit = settings.max_texts_per_request
         raise APIError(413, f"at most {limit} texts per request, got {len(texts)}", param="input")
+    for i, text in enumerate(texts):
+        if len(text) > settings.max_text_chars:
+            raise APIError(
+                413,
+                f"input[{i}] has {len(text)} characters, at most {settings.max_text_chars} "
+                "(FLEETCACHE_MAX_TEXT_CHARS)",
+                param=f"input[{i}]",
+            )
     if body.dimensions is not None and body.dimensions != services.info.dim:
         raise APIError(422, f"this model has {services.info.dim} dimensions", param="dimensions")
     result = await services.embed(texts, caller)

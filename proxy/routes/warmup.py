@@ -6,6 +6,7 @@ the request, and runs in the background as caller ``warmup`` on the batcher's lo
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -13,6 +14,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from features.readers import FORMAT_SUFFIXES, file_format
 from proxy.body import JSONRoute, parse_json
 from proxy.deps import ServicesDep
 from proxy.errors import APIError
@@ -45,13 +47,35 @@ def job_json(job_id: str, progress: WarmupProgress) -> dict[str, Any]:
 
 
 def server_path(services: ServicesDep, raw: str) -> Path:
+    """A file inside the data dir, of a format the readers know (a 422 naming ``path``; the
+    answer never shows the server's directories)."""
     root = services.settings.data_dir.resolve()
     path = (root / raw).resolve()
     if not path.is_relative_to(root):
-        raise APIError(422, f"path must be inside the data dir {root}", param="path")
+        raise APIError(422, "path must name a file inside the data dir", param="path")
     if not path.is_file():
         raise APIError(422, f"no such file in the data dir: {raw}", param="path")
+    try:
+        file_format(path)
+    except ValueError:
+        known = ", ".join(sorted(FORMAT_SUFFIXES))
+        raise APIError(
+            422, f"unknown file format of {raw!r}; known extensions: {known}", param="path"
+        ) from None
     return path
+
+
+async def save_upload(request: Request, upload: Path) -> None:
+    """Stream the body to ``upload``; nothing is left behind when it fails (a 413 over
+    FLEETCACHE_MAX_UPLOAD_MB, the client gone)."""
+    upload.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with upload.open("wb") as out:
+            async for block in request.stream():
+                out.write(block)
+    except BaseException:
+        await asyncio.to_thread(upload.unlink, missing_ok=True)
+        raise
 
 
 @router.post("/v1/warmup")
@@ -59,20 +83,20 @@ async def start_warmup(request: Request, services: ServicesDep, jobs: JobsDep) -
     content_type = request.headers.get("content-type", "").split(";")[0].strip()
     if content_type in JSONL_TYPES:
         upload = services.settings.data_dir / "warmup" / f"upload-{time.time_ns()}.jsonl"
-        upload.parent.mkdir(parents=True, exist_ok=True)
-        with upload.open("wb") as out:
-            async for block in request.stream():
-                out.write(block)
+        await save_upload(request, upload)
         path, chunk_size, uploaded = upload, 500, True
     else:
         raw = await request.body()
         try:
             body = WarmupFromPath.model_validate(parse_json(raw) if raw.strip() else {})
         except ValidationError as exc:
+            first = exc.errors(include_url=False)[0]
+            where = ".".join(str(p) for p in first["loc"]) or "path"
             raise APIError(
                 422,
-                f"send {{'path': ...}} as JSON or a JSONL body ({JSONL_TYPES[0]}): {exc}",
-                param="path",
+                f"send {{'path': ...}} as JSON or a JSONL body ({JSONL_TYPES[0]}): "
+                f"{where}: {first['msg']}",
+                param=where,
             ) from None
         path, chunk_size, uploaded = server_path(services, body.path), body.chunk_size, False
     job_id = jobs.start(services, path, chunk_size=chunk_size, upload=uploaded)
