@@ -32,7 +32,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route
 
 from cache.embedder import InvalidTextError
 from engines.base import (
@@ -107,12 +109,30 @@ def _api_error(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
+def allowed_methods(request: Request) -> str:
+    """Every method some route serves at this path (Starlette's own 405 names only the first
+    route it tried), as the schema documents them (HEAD, implied by GET, left out)."""
+    methods: set[str] = set()
+    routes = list(request.app.router.routes)
+    while routes:
+        route = routes.pop()
+        included = getattr(route, "original_router", None)  # FastAPI's included routers
+        if included is not None:
+            routes.extend(included.routes)
+        elif isinstance(route, Route) and route.path_regex.match(request.url.path):
+            methods |= set(route.methods or ()) - {"HEAD"}
+    return ", ".join(sorted(methods))
+
+
 def _http(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     if isinstance(exc, BodyError):
         return error_response(exc.status_code, exc.message, type=exc.type, param=exc.param)
     kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    return error_response(exc.status_code, str(exc.detail), type=kind, headers=exc.headers)
+    headers = exc.headers
+    if exc.status_code == 405:
+        headers = {**(headers or {}), "Allow": allowed_methods(request)}
+    return error_response(exc.status_code, str(exc.detail), type=kind, headers=headers)
 
 
 def _constraint(request: Request, exc: Exception) -> JSONResponse:
@@ -176,3 +196,40 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(EngineError, _engine)
     app.add_exception_handler(InvalidTextError, _invalid_text)
     app.add_exception_handler(Exception, _unhandled)
+
+
+# -- the contract, as /openapi.json states it ---------------------------------------------
+
+
+class ErrorDetail(BaseModel):
+    type: str
+    message: str
+    param: str | None
+
+
+class ErrorBody(BaseModel):
+    """Every error answer (API.md): ``{"error": {"type", "message", "param"}}``."""
+
+    error: ErrorDetail
+
+
+_ERROR_MEANING = {
+    400: "Malformed JSON (invalid_json).",
+    401: "No or unknown key (authentication_error).",
+    403: "The key lacks the scope, or the route is disabled (permission_error).",
+    404: "Unknown resource (not_found).",
+    413: "Over a request limit (body, texts, records, queue).",
+    422: "Invalid input; param names the field.",
+    429: "This worker or the inference queue is full; retry after Retry-After.",
+    503: "Not ready, or the engine or the fleet index is unavailable; retry after Retry-After.",
+}
+
+
+def documented_errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` of a router: each status with the error body's schema."""
+    return {
+        status: {"model": ErrorBody, "description": _ERROR_MEANING[status]} for status in statuses
+    }
+
+
+API_ERRORS = documented_errors(400, 401, 403, 404, 413, 422, 429, 503)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -155,3 +156,36 @@ def test_nothing_was_written_by_bad_requests(strict_client: TestClient) -> None:
     assert stats["cache"]["hits"] == stats["cache"]["misses"] == stats["cache"]["coalesced"] == 0
     assert stats["inference"]["items"] == 0
     assert strict_client.get(f"/v1/fleet/drivers/{DRIVER['driver_id']}").status_code == 404
+
+
+def test_the_openapi_schema_says_what_the_service_does(client: TestClient) -> None:
+    """Defect 10 of issue 12: client generators and contract fuzzers read this schema."""
+    spec = client.get("/openapi.json").json()
+    text = json.dumps(spec)
+    assert "HTTPValidationError" not in text and '"detail"' not in text  # FastAPI's 422 shape
+    embeddings = spec["paths"]["/v1/embeddings"]["post"]
+    for status in ("400", "401", "403", "413", "422", "429", "503"):
+        schema = embeddings["responses"][status]["content"]["application/json"]["schema"]
+        assert schema == {"$ref": "#/components/schemas/ErrorBody"}
+    assert set(spec["components"]["schemas"]["ErrorDetail"]["required"]) == {
+        "type",
+        "message",
+        "param",
+    }
+    body = spec["components"]["schemas"]["EmbeddingsRequest"]["properties"]["input"]
+    assert {alt["type"] for alt in body["anyOf"]} == {"string", "array"}
+    metrics = spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert list(metrics) == ["text/plain"]
+    warmup = spec["paths"]["/v1/warmup"]["post"]["requestBody"]["content"]
+    assert {"application/json", "application/x-ndjson"} <= set(warmup)
+    upsert = spec["components"]["schemas"]["UpsertRequest"]["properties"]["drivers"]
+    assert upsert["minItems"] == 1
+    patch = spec["components"]["schemas"]["DriverPatch"]
+    assert {tuple(alt["required"]) for alt in patch["anyOf"]} == {("position",), ("status",)}
+
+
+def test_a_wrong_method_lists_every_allowed_one(client: TestClient) -> None:
+    response = client.post("/v1/fleet/drivers/D1")
+    assert response.status_code == 405
+    assert response.headers["Allow"] == "DELETE, GET, PATCH"
+    assert response.json()["error"]["type"] == "method_not_allowed"

@@ -14,11 +14,11 @@ from fastapi import APIRouter, Depends, Header, Request
 
 from proxy.body import JSONRoute
 from proxy.deps import ServicesDep
-from proxy.errors import APIError
+from proxy.errors import API_ERRORS, APIError
 from proxy.settings import Settings
 
 log = logging.getLogger("fleetcache.proxy")
-router = APIRouter(tags=["cache"], route_class=JSONRoute)
+router = APIRouter(tags=["cache"], route_class=JSONRoute, responses=API_ERRORS)
 
 EntityKind = Literal["driver", "vehicle"]
 

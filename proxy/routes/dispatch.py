@@ -12,8 +12,9 @@ from features.models import Order
 from features.text import order_text
 from proxy.body import JSONRoute
 from proxy.deps import CallerDep, ServicesDep
+from proxy.errors import API_ERRORS
 
-router = APIRouter(tags=["dispatch"], route_class=JSONRoute)
+router = APIRouter(tags=["dispatch"], route_class=JSONRoute, responses=API_ERRORS)
 
 
 @router.post("/v1/dispatch/recommend")

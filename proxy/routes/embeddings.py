@@ -9,14 +9,14 @@ from typing import Annotated, Any, Literal
 
 import numpy as np
 from fastapi import APIRouter, Response
-from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, WithJsonSchema
 
 from proxy.body import JSONRoute
 from proxy.deps import CallerDep, ServicesDep
-from proxy.errors import APIError
+from proxy.errors import API_ERRORS, APIError
 from proxy.responses import FastJSONResponse
 
-router = APIRouter(tags=["embeddings"], route_class=JSONRoute)
+router = APIRouter(tags=["embeddings"], route_class=JSONRoute, responses=API_ERRORS)
 _PIECES = re.compile(r"\w+|[^\w\s]")
 
 
@@ -43,7 +43,19 @@ def as_text_list(value: Any) -> list[str]:
 class EmbeddingsRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    input: Annotated[list[str], BeforeValidator(as_text_list)]
+    input: Annotated[
+        list[str],
+        BeforeValidator(as_text_list),
+        WithJsonSchema(
+            {
+                "anyOf": [
+                    {"type": "string", "minLength": 1},
+                    {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+                ],
+                "description": "a text or a list of texts (token-id arrays are refused)",
+            }
+        ),
+    ]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None

@@ -5,25 +5,33 @@ from __future__ import annotations
 import time
 
 from fastapi import APIRouter, Response
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StrictBool
 
 from cache.links import Entity
 from features.models import DriverRecord, VehicleRecord
 from features.text import driver_text, vehicle_text
 from proxy.body import JSONRoute
 from proxy.deps import CallerDep, ServicesDep
-from proxy.errors import APIError
+from proxy.errors import API_ERRORS, APIError
 from proxy.responses import FastJSONResponse
 
-router = APIRouter(tags=["features"], route_class=JSONRoute)
+router = APIRouter(tags=["features"], route_class=JSONRoute, responses=API_ERRORS)
 
 
 class FeaturesRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(
+        extra="ignore",
+        json_schema_extra={  # at least one record (the route refuses none: 422)
+            "anyOf": [
+                {"required": ["drivers"], "properties": {"drivers": {"minItems": 1}}},
+                {"required": ["vehicles"], "properties": {"vehicles": {"minItems": 1}}},
+            ]
+        },
+    )
 
     drivers: list[DriverRecord] = []
     vehicles: list[VehicleRecord] = []
-    include_vectors: bool = True
+    include_vectors: StrictBool = True
 
 
 def check_record_count(n: int, limit: int, param: str) -> None:

@@ -10,25 +10,35 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Response
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from features.models import DriverRecord, Position, Status
 from proxy.body import JSONRoute
 from proxy.deps import CallerDep, ServicesDep
-from proxy.errors import APIError
+from proxy.errors import API_ERRORS, APIError
 from proxy.responses import FastJSONResponse
 from proxy.routes.features import check_record_count
 
-router = APIRouter(tags=["fleet"], route_class=JSONRoute)
+router = APIRouter(tags=["fleet"], route_class=JSONRoute, responses=API_ERRORS)
 
 
 class UpsertRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    drivers: list[DriverRecord]
+    drivers: list[DriverRecord] = Field(min_length=1)
 
 
 class DriverPatch(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Position, status or both; a null is the same as leaving the field out."""
+
+    model_config = ConfigDict(
+        extra="ignore",
+        json_schema_extra={
+            "anyOf": [
+                {"required": ["position"], "properties": {"position": {"type": "object"}}},
+                {"required": ["status"], "properties": {"status": {"type": "string"}}},
+            ]
+        },
+    )
     position: Position | None = None
     status: Status | None = None
 

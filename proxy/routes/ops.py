@@ -5,17 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import HTMLResponse
+from fastapi.responses import HTMLResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy.body import JSONRoute
 from proxy.dashboard import dashboard_html
 from proxy.deps import ServicesDep, not_started_reason
-from proxy.errors import error_response
+from proxy.errors import API_ERRORS, error_response
 from proxy.metrics import build_registry
 from proxy.stats import build_stats
 
-router = APIRouter(tags=["operators"], route_class=JSONRoute)
+router = APIRouter(tags=["operators"], route_class=JSONRoute, responses=API_ERRORS)
 
 
 @router.get("/v1/stats")
@@ -39,7 +39,11 @@ async def readyz(request: Request) -> Response:
     return Response('{"status":"ready"}', media_type="application/json")
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics",
+    response_class=PlainTextResponse,
+    responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+)
 async def metrics(services: ServicesDep) -> Response:
     return Response(generate_latest(build_registry(services)), media_type=CONTENT_TYPE_LATEST)
 

@@ -14,13 +14,14 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from features.models import NO_CONTROL
 from features.readers import FORMAT_SUFFIXES, file_format
 from proxy.body import JSONRoute, parse_json
 from proxy.deps import ServicesDep
-from proxy.errors import APIError
+from proxy.errors import API_ERRORS, APIError
 from proxy.warmup import WarmupJobs, WarmupProgress, coverage
 
-router = APIRouter(tags=["warm-up"], route_class=JSONRoute)
+router = APIRouter(tags=["warm-up"], route_class=JSONRoute, responses=API_ERRORS)
 JSONL_TYPES = ("application/x-ndjson", "application/jsonl", "application/x-jsonlines")
 
 
@@ -34,7 +35,12 @@ JobsDep = Annotated[WarmupJobs, Depends(get_jobs)]
 
 class WarmupFromPath(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    path: str = Field(min_length=1, description="a file inside the server's data dir")
+    path: str = Field(
+        min_length=1,
+        max_length=1024,
+        pattern=NO_CONTROL,
+        description="a file inside the server's data dir",
+    )
     chunk_size: int = Field(500, ge=1, le=10_000)
 
 
@@ -50,10 +56,14 @@ def server_path(services: ServicesDep, raw: str) -> Path:
     """A file inside the data dir, of a format the readers know (a 422 naming ``path``; the
     answer never shows the server's directories)."""
     root = services.settings.data_dir.resolve()
-    path = (root / raw).resolve()
-    if not path.is_relative_to(root):
+    try:  # a name too long for the filesystem is no file either
+        path = (root / raw).resolve()
+        inside, found = path.is_relative_to(root), path.is_file()
+    except (OSError, ValueError):
+        inside, found = True, False
+    if not inside:
         raise APIError(422, "path must name a file inside the data dir", param="path")
-    if not path.is_file():
+    if not found:
         raise APIError(422, f"no such file in the data dir: {raw}", param="path")
     try:
         file_format(path)
@@ -78,7 +88,20 @@ async def save_upload(request: Request, upload: Path) -> None:
         raise
 
 
-@router.post("/v1/warmup")
+@router.post(
+    "/v1/warmup",
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": WarmupFromPath.model_json_schema()},
+                "application/x-ndjson": {
+                    "schema": {"type": "string", "description": "one DriverRecord a line"}
+                },
+            },
+        }
+    },
+)
 async def start_warmup(request: Request, services: ServicesDep, jobs: JobsDep) -> dict[str, Any]:
     content_type = request.headers.get("content-type", "").split(";")[0].strip()
     if content_type in JSONL_TYPES:
