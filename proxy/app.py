@@ -9,7 +9,8 @@ and ``/readyz`` says 503 until the engine is loaded and warmed and the fleet ind
   and the fleet index live in their own processes (``proxy.processes``).
 
 Every request but the probes passes the worker's admission (``Admission``): at most
-``max_inflight_requests`` at once, above that an immediate 429 with ``Retry-After``.
+``max_inflight_requests`` at once, above that an immediate 429 with ``Retry-After``; then
+its key (``proxy.auth.Guard``: 401/403 before the route runs or the body is read).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engines.base import Engine
+from proxy.auth import Guard, KeyRing, route_rows
 from proxy.body import BodyError
 from proxy.errors import install_error_handlers
 from proxy.jobs import ProcessJobs
@@ -225,5 +227,24 @@ def create_app(
     install_error_handlers(app)
     for module in (embeddings, features, fleet, dispatch, warmup, cache, ops):
         app.include_router(module.router)
+    route_rows(app)  # every route has its row of scopes, or no app
+    app.add_middleware(
+        Guard,
+        fastapi=app,
+        ring=open_key_ring(settings),
+        admin_token=settings.admin_token,
+        metrics_public=settings.metrics_public,
+    )
     app.add_middleware(Admission, limit=settings.max_inflight_requests, fastapi=app)
     return app
+
+
+def open_key_ring(settings: Settings) -> KeyRing | None:
+    """The keys of ``FLEETCACHE_API_KEYS_FILE`` (a bad file raises ``KeysFileError``), or
+    None: the service is open but for its admin routes, and the log says so."""
+    if settings.api_keys_file is None:
+        log.warning("auth off: no FLEETCACHE_API_KEYS_FILE, every route but /v1/cache/... is open")
+        return None
+    ring = KeyRing(settings.api_keys_file, settings.admin_token)
+    log.info("auth on: %d API keys from %s", len(ring), settings.api_keys_file)
+    return ring

@@ -120,6 +120,14 @@ HISTOGRAMS: tuple[HistogramSpec, ...] = (
         LATENCY_BUCKETS,
     ),
     HistogramSpec(
+        "fleetcache_lane_queue_wait_seconds",
+        "Time a request's misses waited for a batch, by batcher lane (dispatch goes first; "
+        "warm-up jobs, and with API keys on every key without the dispatch scope, use warmup).",
+        ("lane",),
+        (("dispatch",), ("warmup",)),
+        LATENCY_BUCKETS,
+    ),
+    HistogramSpec(
         "fleetcache_engine_stage_duration_seconds",
         "Engine time per batch and stage (tokenize on CPU; forward and postprocess on the device).",
         ("stage",),

@@ -1,5 +1,5 @@
-"""The ``fleetcache`` command line: serve, warmup, stats, coverage, gen-fleet, cache prune
-(API.md, "Running it")."""
+"""The ``fleetcache`` command line: serve, warmup, stats, coverage, gen-fleet, cache prune,
+keys add | list | revoke (API.md, "Running it", "Authentication and scopes")."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from rich.text import Text
 from cache.prune import NamespaceUsage, prune
 from features.readers import file_format, write_records
 from features.synthetic import iter_fleet
+from proxy.auth import KNOWN_SCOPES, KeysFileError, add_key, parse_scopes, read_keys, revoke_key
 from proxy.settings import Settings
 from proxy.warmup import (
     RemoteSink,
@@ -44,8 +45,44 @@ app = typer.Typer(
 )
 cache_app = typer.Typer(help="The embedding cache's store.", no_args_is_help=True)
 app.add_typer(cache_app, name="cache")
+keys_app = typer.Typer(
+    help="API keys (the file of FLEETCACHE_API_KEYS_FILE; only hashes are kept).",
+    no_args_is_help=True,
+)
+app.add_typer(keys_app, name="keys")
 console = Console(stderr=True)
 DEFAULT_URL = "http://127.0.0.1:8000"
+ApiKeyOption = Annotated[
+    str | None,
+    typer.Option(
+        "--api-key",
+        envvar="FLEETCACHE_API_KEY",
+        show_default=False,
+        help="the key sent as 'Authorization: Bearer KEY' (when the proxy has keys on)",
+    ),
+]
+KeysFileOption = Annotated[
+    Path,
+    typer.Option("--file", envvar="FLEETCACHE_API_KEYS_FILE", help="the keys file"),
+]
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def answer(response: httpx.Response) -> dict[str, Any]:
+    """The JSON of a 2xx; otherwise an ``httpx.HTTPStatusError`` carrying the service's own
+    message (a 401 says the key is missing or unknown, a 403 which scope it lacks)."""
+    if response.is_success:
+        return dict(response.json())
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = response.text[:200]
+    raise httpx.HTTPStatusError(
+        f"{response.status_code}: {message}", request=response.request, response=response
+    )
 
 
 def load_settings() -> Settings:
@@ -78,6 +115,12 @@ def serve(
 
     settings = load_settings()
     setup_logging(log_level)
+    if settings.api_keys_file is not None:  # each worker reads it; a bad one stops us here
+        try:
+            read_keys(settings.api_keys_file)
+        except KeysFileError as exc:
+            console.print(f"[red]FLEETCACHE_API_KEYS_FILE:[/red] {exc}")
+            raise typer.Exit(2) from None
     wanted = workers if workers is not None else settings.workers
     try:
         count = auto_workers() if wanted == "auto" else int(wanted)
@@ -116,10 +159,11 @@ def count_rows(path: Path) -> int | None:
         return None
 
 
-def client_for(url: str) -> httpx.AsyncClient:
+def client_for(url: str, api_key: str | None = None) -> httpx.AsyncClient:
     """The client of ``warmup --url``: caller ``warmup``, generous timeouts (a busy server
     answers 429/503 and RemoteSink waits; a slow one may take long to answer a chunk)."""
-    return httpx.AsyncClient(base_url=url, headers={"X-Caller": "warmup"}, timeout=600)
+    headers = {"X-Caller": "warmup", **auth_headers(api_key)}
+    return httpx.AsyncClient(base_url=url, headers=headers, timeout=600)
 
 
 async def closing(sink: RemoteSink | None, job: Awaitable[WarmupProgress]) -> WarmupProgress:
@@ -161,6 +205,7 @@ def direct_warmup(
 def warmup(
     path: Annotated[Path, typer.Argument(help="CSV, JSONL or Parquet file of DriverRecords")],
     url: Annotated[str | None, typer.Option(help="go through a running proxy")] = None,
+    api_key: ApiKeyOption = None,
     chunk_size: Annotated[int, typer.Option(min=1, max=10_000)] = 500,
     dry_run: Annotated[bool, typer.Option(help="validate and count only")] = False,
     rejects: Annotated[
@@ -223,7 +268,7 @@ def warmup(
                     place.unlink()
             if dry_run or url:
                 with rejects.open("a") as out:
-                    sink = RemoteSink(client_for(url)) if url else None
+                    sink = RemoteSink(client_for(url, api_key)) if url else None
                     job = run_warmup(
                         path,
                         sink,
@@ -295,24 +340,22 @@ def stats_tables(stats: dict[str, Any]) -> list[Table]:
     return [overview, engine, requests, callers]
 
 
-def fetch_stats(url: str) -> dict[str, Any]:
-    response = httpx.get(f"{url}/v1/stats", timeout=10)
-    response.raise_for_status()
-    return dict(response.json())
+def fetch_stats(url: str, api_key: str | None = None) -> dict[str, Any]:
+    return answer(httpx.get(f"{url}/v1/stats", headers=auth_headers(api_key), timeout=10))
 
 
-def stats_frame(url: str, interval: float) -> RenderableType:
+def stats_frame(url: str, interval: float, api_key: str | None = None) -> RenderableType:
     """One refresh of ``stats --watch``; a failed read is shown, and the next one retried."""
     now = datetime.now().strftime("%H:%M:%S")
     try:
-        tables: list[RenderableType] = list(stats_tables(fetch_stats(url)))
+        tables: list[RenderableType] = list(stats_tables(fetch_stats(url, api_key)))
     except httpx.HTTPError as exc:
         tables = [Text(f"cannot read {url}/v1/stats: {exc}", style="red")]
     heading = Text(f"{url} at {now}, every {interval:g} s (Ctrl-C to stop)", style="dim")
     return Group(heading, *tables)
 
 
-def watch_stats(url: str, interval: float, count: int | None) -> None:
+def watch_stats(url: str, interval: float, count: int | None, api_key: str | None) -> None:
     """Redraw in place on a terminal; elsewhere (a pipe, a log) print each refresh in turn."""
     out = Console()
     frames: Iterable[int] = range(count) if count is not None else itertools.count()
@@ -324,7 +367,7 @@ def watch_stats(url: str, interval: float, count: int | None) -> None:
             for i in frames:
                 if i:
                     time.sleep(interval)
-                frame = stats_frame(url, interval)
+                frame = stats_frame(url, interval, api_key)
                 if live is not None:
                     live.update(frame, refresh=True)
                 else:
@@ -336,6 +379,7 @@ def watch_stats(url: str, interval: float, count: int | None) -> None:
 @app.command()
 def stats(
     url: Annotated[str, typer.Option(help="the proxy")] = DEFAULT_URL,
+    api_key: ApiKeyOption = None,
     watch: Annotated[bool, typer.Option(help="redraw every --interval seconds")] = False,
     interval: Annotated[float, typer.Option(min=0.1, help="seconds between redraws")] = 2.0,
     count: Annotated[
@@ -344,10 +388,10 @@ def stats(
 ) -> None:
     """Print the proxy's /v1/stats as tables (--watch: until Ctrl-C)."""
     if watch:
-        watch_stats(url, interval, count)
+        watch_stats(url, interval, count, api_key)
         return
     try:
-        data = fetch_stats(url)
+        data = fetch_stats(url, api_key)
     except httpx.HTTPError as exc:
         console.print(f"[red]cannot read {url}/v1/stats:[/red] {exc}")
         raise typer.Exit(1) from None
@@ -378,14 +422,17 @@ async def coverage_direct(ids: list[str]) -> dict[str, Any]:
 def coverage_command(
     roster: Annotated[Path, typer.Argument(help="driver ids: lines, CSV or JSONL")],
     url: Annotated[str | None, typer.Option(help="ask a running proxy")] = None,
+    api_key: ApiKeyOption = None,
 ) -> None:
     """The share of a roster whose current features are already cached."""
     try:
         ids = read_roster(roster)
         if url:
-            response = httpx.post(f"{url}/v1/coverage", json={"driver_ids": ids}, timeout=600)
-            response.raise_for_status()
-            result = response.json()
+            body = {"driver_ids": ids}
+            headers = auth_headers(api_key)
+            result = answer(
+                httpx.post(f"{url}/v1/coverage", json=body, headers=headers, timeout=600)
+            )
         else:
             setup_logging("warning")
             result = asyncio.run(coverage_direct(ids))
@@ -476,3 +523,47 @@ def gen_fleet(
 
 if __name__ == "__main__":  # python -m proxy.cli
     sys.exit(app())
+
+
+@keys_app.command("add")
+def keys_add(
+    name: Annotated[str, typer.Argument(help="who holds it: 1-64 of A-Z a-z 0-9 _ . -")],
+    scopes: Annotated[str, typer.Option(help=f"comma-separated: {', '.join(KNOWN_SCOPES)}")],
+    file: KeysFileOption,
+) -> None:
+    """Make a key: it is printed once (stdout) and only its SHA-256 is written to the file.
+    A running proxy picks it up within a second."""
+    try:
+        key = add_key(file, name, parse_scopes(scopes))
+    except (KeysFileError, OSError) as exc:
+        console.print(f"[red]no key added:[/red] {exc}")
+        raise typer.Exit(2) from None
+    console.print(f"key {name!r} added to {file}; it is shown once, here:")
+    print(key)
+
+
+@keys_app.command("list")
+def keys_list(file: KeysFileOption) -> None:
+    """The keys' names and scopes (never their hashes)."""
+    try:
+        keys = read_keys(file)
+    except KeysFileError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
+    table = Table("name", "scopes", "lane")
+    for key in keys:
+        table.add_row(key.name, ",".join(s for s in KNOWN_SCOPES if s in key.scopes), key.lane)
+    Console().print(table)
+
+
+@keys_app.command("revoke")
+def keys_revoke(
+    name: Annotated[str, typer.Argument(help="the key's name")], file: KeysFileOption
+) -> None:
+    """Remove a key's line: a running proxy refuses it within a second."""
+    try:
+        revoke_key(file, name)
+    except (KeysFileError, OSError) as exc:
+        console.print(f"[red]nothing revoked:[/red] {exc}")
+        raise typer.Exit(2) from None
+    console.print(f"key {name!r} revoked")

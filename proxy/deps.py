@@ -7,12 +7,13 @@ a thread hop per request that cost about 40% of a cached request's server time.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Header, Request
 
 from proxy.errors import APIError
-from proxy.services import Services
+from proxy.services import Services, lane_for
 
 _CALLER = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,31}$")
 
@@ -29,14 +30,24 @@ async def get_services(request: Request) -> Services:
     return services
 
 
-async def get_caller(x_caller: Annotated[str | None, Header()] = None) -> str:
-    caller = (x_caller or "dispatch").strip().lower()
-    if not _CALLER.match(caller):
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """``label``: ``X-Caller`` (``by_caller`` in stats); ``lane``: the batcher lane. With API
+    keys on, the key decides the lane (``proxy.auth.Guard``); without, ``X-Caller: warmup``
+    does."""
+
+    label: str
+    lane: str
+
+
+async def get_caller(request: Request, x_caller: Annotated[str | None, Header()] = None) -> Caller:
+    label = (x_caller or "dispatch").strip().lower()
+    if not _CALLER.match(label):
         raise APIError(
             422, "X-Caller must be 1-32 characters of a-z, 0-9, '_', '.', '-'", param="X-Caller"
         )
-    return caller
+    return Caller(label, request.scope.get("state", {}).get("lane") or lane_for(label))
 
 
 ServicesDep = Annotated[Services, Depends(get_services)]
-CallerDep = Annotated[str, Depends(get_caller)]
+CallerDep = Annotated[Caller, Depends(get_caller)]

@@ -38,7 +38,12 @@ from features.text import TEXT_SCHEMA_VERSION
 from proxy.board import Board
 from proxy.ipc import Blobs, Handler, RpcClient, RpcServer, frame_rows, rows_frame
 from proxy.settings import Settings
-from proxy.telemetry import REQUEST_STAGES, BoardCacheStats, StageTimingEngine
+from proxy.telemetry import (
+    LANE_QUEUE_WAIT,
+    REQUEST_STAGES,
+    BoardCacheStats,
+    StageTimingEngine,
+)
 
 log = logging.getLogger("fleetcache.engine")
 Msg = dict[str, Any]
@@ -216,8 +221,9 @@ async def open_engine_host(
         counts = stats or BoardCacheStats(board)
         host: EngineHost | None = None
 
-        def queue_wait(_lane: str, seconds: float) -> None:
+        def queue_wait(lane: str, seconds: float) -> None:
             board.observe(REQUEST_STAGES, ("queue_wait",), seconds)
+            board.observe(LANE_QUEUE_WAIT, (lane,), seconds)
             board.recent("queue_wait", seconds * 1000.0)
 
         def batch_done() -> None:

@@ -109,17 +109,27 @@ def _api_error(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
+def app_routes(app: FastAPI) -> list[Route]:
+    """Every route of the app, those of included routers too (our routers have no prefix, so
+    a route's own path is its full path)."""
+    found: list[Route] = []
+    routes = list(app.router.routes)
+    while routes:
+        route = routes.pop(0)
+        included = getattr(route, "original_router", None)  # FastAPI's included routers
+        if included is not None:
+            routes.extend(included.routes)
+        elif isinstance(route, Route):
+            found.append(route)
+    return found
+
+
 def allowed_methods(request: Request) -> str:
     """Every method some route serves at this path (Starlette's own 405 names only the first
     route it tried), as the schema documents them (HEAD, implied by GET, left out)."""
     methods: set[str] = set()
-    routes = list(request.app.router.routes)
-    while routes:
-        route = routes.pop()
-        included = getattr(route, "original_router", None)  # FastAPI's included routers
-        if included is not None:
-            routes.extend(included.routes)
-        elif isinstance(route, Route) and route.path_regex.match(request.url.path):
+    for route in app_routes(request.app):
+        if route.path_regex.match(request.url.path):
             methods |= set(route.methods or ()) - {"HEAD"}
     return ", ".join(sorted(methods))
 

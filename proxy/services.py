@@ -106,20 +106,24 @@ class Services:
     def per_item_ms(self) -> float:
         return float(self.engine.facts().get("per_item_ms") or 0.0)
 
-    async def embed(self, texts: Sequence[str], caller: str) -> EmbedResult:
+    async def embed(
+        self, texts: Sequence[str], caller: str, lane: str | None = None
+    ) -> EmbedResult:
         """Plain texts: no entity, so no TTL and no link. Answered as soon as the misses are
         computed: their write-back to the shared tier follows (they stay in flight until it
-        lands), off the request's latency."""
-        lane = lane_for(caller)
+        lands), off the request's latency. ``lane``: the key's (None: the caller's)."""
+        lane = lane or lane_for(caller)
         return await self.embedder.aembed(texts, caller=caller, lane=lane, durable=False)
 
-    async def embed_entities(self, entities: Sequence[Entity], caller: str) -> EmbedResult:
+    async def embed_entities(
+        self, entities: Sequence[Entity], caller: str, lane: str | None = None
+    ) -> EmbedResult:
         """Driver and vehicle records: their kind's TTL, and each linked to its vector."""
         settings = self.settings
         return await self.embedder.aembed_entities(
             entities,
             caller=caller,
-            lane=lane_for(caller),
+            lane=lane or lane_for(caller),
             ttl_s={"driver": settings.cache_ttl_driver_s, "vehicle": settings.cache_ttl_vehicle_s},
         )
 
@@ -137,13 +141,17 @@ class Services:
         self.tiers.memory.mdelete(keys)
 
     async def upsert_drivers(
-        self, records: Sequence[DriverRecord], caller: str, texts: Sequence[str] | None = None
+        self,
+        records: Sequence[DriverRecord],
+        caller: str,
+        texts: Sequence[str] | None = None,
+        lane: str | None = None,
     ) -> tuple[int, EmbedResult]:
         """Embed (through the cache) and index; the index changes only if every text embedded.
         ``texts``: the records' driver texts when the caller rendered them already."""
         texts = texts if texts is not None else [driver_text(r) for r in records]
         entities = [Entity("driver", r.driver_id, t) for r, t in zip(records, texts, strict=True)]
-        result = await self.embed_entities(entities, caller)
+        result = await self.embed_entities(entities, caller, lane)
         await self.index.upsert_drivers(records, result.vectors)
         return len(records), result
 

@@ -51,7 +51,12 @@ class Settings(BaseSettings):
     lmdb_map_size_gb: float = Field(8.0, gt=0.0)
     cache_ttl_driver_s: float | None = Field(None, gt=0.0, description="none: never expires")
     cache_ttl_vehicle_s: float | None = Field(None, gt=0.0, description="none: never expires")
+    # access (API.md, "Authentication and scopes"; proxy.auth)
     admin_token: str | None = Field(None, description="bearer token for /v1/cache admin routes")
+    api_keys_file: Path | None = Field(
+        None, description="'NAME SCOPES SHA256' lines; none: open (admin routes excepted)"
+    )
+    metrics_public: bool = Field(True, description="false: /metrics needs the operator scope")
     # request limits (API.md)
     max_texts_per_request: int = Field(2048, ge=1)
     max_records_per_request: int = Field(10_000, ge=1)

@@ -120,6 +120,7 @@ def snapshot(services: Services) -> Snapshot:
         "uptime_s": time.monotonic() - services.started,
         "ready": ready,
         "status": reason,
+        "auth": "off" if services.settings.api_keys_file is None else "on",
         "cache": cache,
         "inference": inference_section(services, totals, cache["hits"], cache["coalesced"]),
         "latency": {

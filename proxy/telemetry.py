@@ -22,6 +22,7 @@ from proxy.board import Board
 REQUESTS = "fleetcache_request_duration_seconds"
 REQUEST_STAGES = "fleetcache_request_stage_duration_seconds"
 ENGINE_STAGES = "fleetcache_engine_stage_duration_seconds"
+LANE_QUEUE_WAIT = "fleetcache_lane_queue_wait_seconds"
 BATCH_DURATION = "fleetcache_engine_batch_duration_seconds"
 BATCH_SIZE = "fleetcache_engine_batch_size_texts"
 

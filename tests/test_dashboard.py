@@ -22,6 +22,7 @@ from fastapi.testclient import TestClient
 
 from engines.fake import FakeEngine
 from proxy.app import create_app
+from proxy.auth import add_key
 from tests.conftest import LiveServer, make_settings
 
 SCREENSHOT = Path(__file__).resolve().parents[1] / "docs" / "dashboard.png"
@@ -90,6 +91,10 @@ def wait_for_polls(driver: Any, more_than: int, timeout: float = 15.0) -> int:
     raise AssertionError(f"the dashboard did not poll /v1/stats within {timeout} s")
 
 
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
 def shown(driver: Any, element: str) -> str:
     return str(driver.find_element("id", element).text)
 
@@ -147,3 +152,37 @@ def test_dashboard_shows_the_stats_live(browser: Any, tmp_path: Path) -> None:
         )
         assert browser.save_screenshot(str(screenshot))
     assert screenshot.stat().st_size > 10_000
+
+
+def test_dashboard_asks_for_a_key_when_keys_are_on(browser: Any, tmp_path: Path) -> None:
+    """With keys on, /v1/stats answers 401: the page shows its key field and the service's
+    message; given an operator key it polls with it (kept in sessionStorage only)."""
+    keys_file = tmp_path / "keys"
+    key = add_key(keys_file, "ops", frozenset({"operator"}))
+    dispatch = add_key(keys_file, "dispatcher", frozenset({"dispatch"}))
+    app = create_app(make_settings(tmp_path / "data", api_keys_file=keys_file), FakeEngine())
+    with LiveServer(app) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        while http.get("/readyz").status_code != 200:
+            time.sleep(0.02)
+        http.post("/v1/embeddings", json={"input": ["a", "b"]}, headers=bearer(dispatch))
+        browser.get(f"{server.url}/dashboard")
+        form = browser.find_element("id", "key-form")
+        deadline = time.monotonic() + 15
+        while not form.is_displayed():
+            assert time.monotonic() < deadline, "the page never asked for a key"
+            time.sleep(0.1)
+        assert "no API key" in shown(browser, "error")
+        assert shown(browser, "updated") == "never"
+
+        browser.find_element("id", "key").send_keys(key)
+        browser.find_element("css selector", "#key-form button").click()
+        wait_for_polls(browser, 0)
+        assert not form.is_displayed()
+        assert shown(browser, "error") == ""
+        stats = http.get("/v1/stats", headers=bearer(key)).json()
+        assert shown(browser, "misses") == str(stats["cache"]["misses"]) == "2"
+        stored = browser.execute_script(
+            "return [sessionStorage.getItem('fleetcache.key'), localStorage.length]"
+        )
+        assert stored == [key, 0]
+        assert key not in browser.current_url

@@ -1,21 +1,20 @@
 """Cache administration: ``DELETE /v1/cache/entities/{driver|vehicle}/{id}`` (admin only).
 
-Admin routes need ``Authorization: Bearer <FLEETCACHE_ADMIN_TOKEN>``: without a configured
-token they answer 403 (disabled), with a missing or wrong one 401.
+Scope ``admin`` (``proxy.auth``): with no keys file, ``Authorization: Bearer
+<FLEETCACHE_ADMIN_TOKEN>``; without a configured token they answer 403 (disabled), with a
+missing or wrong one 401.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from fastapi import APIRouter, Depends, Header, Request
+from fastapi import APIRouter
 
 from proxy.body import JSONRoute
 from proxy.deps import ServicesDep
 from proxy.errors import API_ERRORS, APIError
-from proxy.settings import Settings
 
 log = logging.getLogger("fleetcache.proxy")
 router = APIRouter(tags=["cache"], route_class=JSONRoute, responses=API_ERRORS)
@@ -23,37 +22,8 @@ router = APIRouter(tags=["cache"], route_class=JSONRoute, responses=API_ERRORS)
 EntityKind = Literal["driver", "vehicle"]
 
 
-async def require_admin(
-    request: Request, authorization: Annotated[str | None, Header()] = None
-) -> None:
-    settings: Settings = request.app.state.settings
-    token = settings.admin_token
-    if not token:
-        raise APIError(
-            403,
-            "admin routes are disabled: set FLEETCACHE_ADMIN_TOKEN to enable them",
-            type="permission_error",
-        )
-    scheme, _, given = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(
-        given.strip().encode(), token.encode()
-    ):
-        raise APIError(
-            401,
-            "admin routes need the header 'Authorization: Bearer <FLEETCACHE_ADMIN_TOKEN>'",
-            param="Authorization",
-            type="authentication_error",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
-
-
-AdminDep = Annotated[None, Depends(require_admin)]
-
-
 @router.delete("/v1/cache/entities/{kind}/{entity_id}")
-async def forget_entity(
-    _: AdminDep, kind: EntityKind, entity_id: str, services: ServicesDep
-) -> dict[str, Any]:
+async def forget_entity(kind: EntityKind, entity_id: str, services: ServicesDep) -> dict[str, Any]:
     """Drop the entity's cached vector from every tier; its next embed is a miss."""
     try:
         deleted = await services.forget_entity(kind, entity_id)

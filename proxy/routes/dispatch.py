@@ -22,7 +22,7 @@ async def recommend(order: Order, services: ServicesDep, caller: CallerDep) -> d
     started = time.perf_counter()
     check_constraints(order.constraints)  # before anything is embedded
     text = order_text(order)
-    result = await services.embed([text], caller)
+    result = await services.embed([text], caller.label, caller.lane)
     searched = time.perf_counter()
     answer = await services.index.recommend(order, result.vectors[0])
     services.latency.observe_stage("index", time.perf_counter() - searched)

@@ -91,7 +91,7 @@ async def create_embeddings(
             )
     if body.dimensions is not None and body.dimensions != services.info.dim:
         raise APIError(422, f"this model has {services.info.dim} dimensions", param="dimensions")
-    result = await services.embed(texts, caller)
+    result = await services.embed(texts, caller.label, caller.lane)
     tokens = sum(estimate_tokens(t) for t in texts)
     payload = {
         "object": "list",

@@ -50,7 +50,7 @@ async def embed_features(
     check_record_count(n, services.settings.max_records_per_request, "drivers")
     entities = [Entity("driver", d.driver_id, driver_text(d)) for d in body.drivers]
     entities += [Entity("vehicle", v.vehicle_id, vehicle_text(v)) for v in body.vehicles]
-    result = await services.embed_entities(entities, caller)
+    result = await services.embed_entities(entities, caller.label, caller.lane)
     results = []
     for (entity, entity_id, _), status, row in zip(
         entities, result.statuses, result.vectors, strict=True
