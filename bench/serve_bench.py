@@ -63,10 +63,17 @@ def free_port() -> int:
 
 
 class Server:
-    """``fleetcache serve`` (``workers``) or the one-process app (``workers=0``)."""
+    """``fleetcache serve`` (``workers``) or the one-process app (``workers=0``), of the code
+    in ``code`` (another checkout: a before/after comparison)."""
 
     def __init__(
-        self, workers: int, data_dir: Path, settings: dict[str, str], log: Path, cpus: str
+        self,
+        workers: int,
+        data_dir: Path,
+        settings: dict[str, str],
+        log: Path,
+        cpus: str,
+        code: Path = REPO,
     ) -> None:
         self.workers = workers
         self.port = free_port()
@@ -74,7 +81,7 @@ class Server:
         env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETCACHE_")}
         env |= {f"FLEETCACHE_{k.upper()}": v for k, v in settings.items()}
         env |= {"FLEETCACHE_DATA_DIR": str(data_dir), "HF_HUB_OFFLINE": "1"}
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+        env["PYTHONPATH"] = os.pathsep.join([str(code), env.get("PYTHONPATH", "")])
         if workers:
             command = [sys.executable, "-m", "proxy.cli", "serve", "--workers", str(workers)]
             command += ["--port", str(self.port), "--log-level", "warning"]
@@ -85,7 +92,7 @@ class Server:
         self.log = log
         with log.open("ab") as out:
             self.process = subprocess.Popen(
-                command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT
+                command, cwd=code, env=env, stdout=out, stderr=subprocess.STDOUT
             )
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:

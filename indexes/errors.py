@@ -8,6 +8,9 @@ ValueError
       └── SnapshotError          a snapshot that is unreadable, inconsistent or of another dim
 KeyError                         update_driver on an unknown driver
 features.constraints.UnknownConstraintError (ValueError)   unknown constraint in recommend
+RuntimeError
+ └── ChangeLogError              the change log cannot be written, or holds a change this
+                                 version cannot read (not bad input: the server's fault)
 ```
 """
 
@@ -28,3 +31,8 @@ class UnsupportedFilterError(FleetIndexError):
 
 class SnapshotError(FleetIndexError):
     """A snapshot that cannot be loaded (corrupt, inconsistent, or another dimension)."""
+
+
+class ChangeLogError(RuntimeError):
+    """The fleet change log failed a write (every later change fails too, until the owner
+    restarts and recovers from disk), or holds a change that cannot be read back."""

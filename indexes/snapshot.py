@@ -10,8 +10,9 @@ Layout (``dir`` is what ``FleetTable.save`` is given), format 2::
         records.bin                  the drivers' record JSON, back to back
         ids.json                     {"driver_ids", "vehicle_ids", "ts": {row: ISO time}}
         meta.json                    {"format": 2, "dim", "next_id", "count", "statuses",
-                                      "constraints"} (the names behind status codes and
-                                     constraint bits)
+                                      "constraints", "seq"} (the names behind status codes
+                                     and constraint bits; the number of the last change
+                                     held, ``FleetTable.seq``: 0 when written before it was)
 
 Loading reads arrays and one blob: no record is parsed (the store parses a record when it is
 read). Format 1 (``index.faiss`` of an IndexIDMap2, ``records.jsonl``, ``faiss_ids`` in
@@ -72,6 +73,7 @@ class Snapshot:
     columns: Columns
     statuses: tuple[str, ...]  # status code -> name
     constraints: tuple[str, ...]  # constraint bit -> name
+    seq: int = 0  # the last change held (the change log replays those after it)
 
 
 def write(root: Path, snap: Snapshot) -> Path:
@@ -87,8 +89,8 @@ def write(root: Path, snap: Snapshot) -> Path:
     pointer = root / f"{CURRENT}.tmp"
     try:
         _write_files(target, snap)
-        _fsync(target)
-        _fsync(root)  # the new directory's entry is durable before CURRENT names it
+        fsync_path(target)
+        fsync_path(root)  # the new directory's entry is durable before CURRENT names it
         _write_durably(pointer, (target.name + "\n").encode())
         os.replace(pointer, root / CURRENT)  # the commit point
     except BaseException:
@@ -96,7 +98,7 @@ def write(root: Path, snap: Snapshot) -> Path:
         with contextlib.suppress(FileNotFoundError):
             pointer.unlink()
         raise
-    _fsync(root)
+    fsync_path(root)
     _remove_snapshots(root, keep=target.name)
     return target
 
@@ -151,6 +153,7 @@ def _write_files(target: Path, snap: Snapshot) -> None:
         "count": len(snap.driver_ids),
         "statuses": list(snap.statuses),
         "constraints": list(snap.constraints),
+        "seq": snap.seq,
     }
     _write_durably(target / META_FILE, json.dumps(meta).encode())
 
@@ -194,6 +197,7 @@ def _read_v2(path: Path, meta: dict[str, Any]) -> Snapshot:
         columns=columns,
         statuses=tuple(meta["statuses"]),
         constraints=tuple(meta["constraints"]),
+        seq=int(meta.get("seq", 0)),
     )
 
 
@@ -311,7 +315,7 @@ def _write_with(path: Path, write: Callable[[IO[bytes]], object]) -> None:
         os.fsync(fh.fileno())
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     """fsync a file or a directory (a directory's entries: the names we just created)."""
     fd = os.open(path, os.O_RDONLY)
     try:

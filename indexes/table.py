@@ -25,13 +25,20 @@ rebuilt after vectors change (``gpu=True`` requires it, ``None`` uses it when pr
 The table is meant for one thread (the proxy's event loop); an internal lock also makes
 ``save`` from a worker thread safe (it copies the state in short turns under the lock, then
 writes without it). ``indexes.store`` adapts a table to LlamaIndex.
+
+Changes made ``with table.applying(seq)`` are numbered (``seq``, the number of the last one):
+a snapshot records the number of the last change it holds, copied under the same lock as the
+state, so that replaying a change log (``indexes.changelog``) from the next one rebuilds the
+table exactly, nothing applied twice or skipped.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
-from collections.abc import Iterable, Sequence
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -125,9 +132,11 @@ class FleetTable:
         self._flat = faiss.IndexFlatIP(dim)
         self._replica = _replica_for(gpu)
         self._next_id = 0
+        self._seq = 0  # number of the last change applied (``applying``); 0: none
         self._epoch = 0  # bumped whenever a vector or the slot layout changes
         self._grid = GeoGrid(cell_deg)  # available drivers only
         self._constraints: tuple[str, ...] = tuple(CONSTRAINTS)[:_MAX_BITS]
+        self._vocabulary = zlib.crc32(json.dumps([STATUSES, self._constraints]).encode())
         self._slot_of: dict[str, int] = {}
         self._ids: list[str] = []  # slot -> driver_id
         self._vehicles: list[str] = []  # slot -> vehicle_id
@@ -160,6 +169,27 @@ class FleetTable:
 
     def driver_ids(self) -> list[str]:
         return list(self._ids)
+
+    @property
+    def seq(self) -> int:
+        """The number of the last change applied ``with applying(seq)`` (saved in snapshots)."""
+        return self._seq
+
+    @property
+    def vocabulary(self) -> int:
+        """A crc32 of the names behind status codes and constraint bits: column values made
+        under another vocabulary (a change logged by another version) mean something else."""
+        return self._vocabulary
+
+    @contextlib.contextmanager
+    def applying(self, seq: int) -> Iterator[None]:
+        """Make the changes inside the change numbered ``seq`` (> ``self.seq``): ``seq`` is
+        taken only when they succeed, under the lock a snapshot copies the state under."""
+        if seq <= self._seq:
+            raise ValueError(f"change {seq} is not after change {self._seq}")
+        with self._lock:
+            yield
+            self._seq = seq
 
     def vector_ids(self) -> list[int]:
         """The id of each live vector, in slot order. Ids come from a counter that only grows:
@@ -398,8 +428,9 @@ class FleetTable:
 
     # -- snapshots -----------------------------------------------------------------------------
 
-    def save(self, directory: Path | str) -> None:
-        """Write a crash-safe snapshot (layout in ``indexes.snapshot``).
+    def save(self, directory: Path | str) -> int:
+        """Write a crash-safe snapshot (layout in ``indexes.snapshot``); returns the number of
+        the last change it holds (``seq``).
 
         Rows are written in grid-cell order, so a loaded table holds neighbours' vectors next
         to each other: ``recommend`` then reads its candidates' rows in a few runs instead of
@@ -423,6 +454,7 @@ class FleetTable:
                 with self._lock if tries == _SAVE_TRIES else contextlib.nullcontext():
                     snap = self._copy_state()
             snapshot.write(Path(directory), snap)
+            return snap.seq
 
     @classmethod
     def load(
@@ -454,7 +486,7 @@ class FleetTable:
         """The table as a snapshot in grid-cell row order (see ``save``), or None when a
         vector changed while the vectors were being copied."""
         with self._lock:
-            epoch, n, next_id = self._epoch, len(self), self._next_id
+            epoch, n, next_id, seq = self._epoch, len(self), self._next_id, self._seq
             cols = self._cols.head(n)
             ids, vehicles, blobs = self._ids[:], self._vehicles[:], self._json[:]
         order = np.argsort(self._grid.cell_keys(cols.lat, cols.lng), kind="stable")
@@ -469,6 +501,7 @@ class FleetTable:
         return snapshot.Snapshot(
             dim=self._dim,
             next_id=next_id,
+            seq=seq,
             vectors=vectors,
             driver_ids=[ids[i] for i in rows],
             vehicle_ids=[vehicles[i] for i in rows],
@@ -493,6 +526,7 @@ class FleetTable:
                 rows[part] = snap.vectors[part]
                 self._quant.put(np.arange(start, min(n, start + 4096)), rows[part])
             self._next_id = snap.next_id
+            self._seq = snap.seq
             self._ids = snap.driver_ids
             self._vehicles = snap.vehicle_ids
             self._json = snap.records

@@ -1,11 +1,11 @@
 """The fleet index's one owner, and how the workers reach it.
 
-``IndexHost`` owns the ``FleetTable`` (drivers, vectors, positions), its revision and its
-snapshots. Every fleet and dispatch call of every worker reaches this one owner, so a PATCH
-through one worker is seen by the next recommend through any other. A server runs it in its
-own process (``proxy.processes``) behind an ``RpcServer``; ``create_app`` without the
-supervisor runs it in-process. The workers hold an ``IndexService``: the host itself, or a
-``RemoteIndex`` speaking to it over IPC, with the same async methods::
+``IndexHost`` owns the ``FleetTable`` (drivers, vectors, positions), its revision, its change
+log and its snapshots. Every fleet and dispatch call of every worker reaches this one owner,
+so a PATCH through one worker is seen by the next recommend through any other. A server runs
+it in its own process (``proxy.processes``) behind an ``RpcServer``; ``create_app`` without
+the supervisor runs it in-process. The workers hold an ``IndexService``: the host itself, or
+a ``RemoteIndex`` speaking to it over IPC, with the same async methods::
 
     upsert_drivers(records, vectors)       update_driver(id, position=, status=) -> record
     delete_driver(id) -> bool              get_driver(id) -> record | None
@@ -16,6 +16,14 @@ An upsert crosses as ``indexes.Prepared`` (ids, the records' JSON, their column 
 array frames), made by the worker that validated the records: the owner parses nothing, which
 kept it from bounding warm-ups (23-30 ms of pydantic per 256 records on the 2-core box). Other
 records cross as their JSON; vectors and the query as raw float32 frames.
+
+Durability (API.md v1.1): a change is made in the table, numbered, appended to the change log
+(``indexes.changelog``) and answered only once the log has it on disk, so the 200 of the
+route behind it survives a kill -9. Changes arriving during one fsync share the next. The
+table is changed before the flush, on the event loop, so that the table and the log number
+and order changes alike; a reader may see a change a moment before it is acknowledged. On
+start the table is its last snapshot plus the log replayed after it; a snapshot only shortens
+that replay (its segments are then deleted).
 """
 
 from __future__ import annotations
@@ -33,7 +41,9 @@ import orjson
 import zmq
 
 from features.models import DriverRecord, Order, Position, Status
-from indexes import Candidate, FleetTable, Prepared, Recommendation
+from indexes import Candidate, FleetTable, Prepared, Recommendation, changes
+from indexes.changelog import ChangeLog, recover
+from indexes.changes import Change, Delete, Place, Update, Upsert
 from proxy.board import Board
 from proxy.ipc import (
     Blobs,
@@ -47,6 +57,7 @@ from proxy.ipc import (
 from proxy.settings import Settings
 
 log = logging.getLogger("fleetcache.index")
+LOG_DIR = "changelog"  # under the index dir, beside the snapshots
 Msg = dict[str, Any]
 Frames = list[zmq.Frame]
 Out = tuple[Msg, Blobs]
@@ -83,13 +94,18 @@ class IndexService(Protocol):
 
 
 class IndexHost:
-    """The table and what belongs to it: revision, readiness, snapshots. KeyError for an
-    unknown driver on update."""
+    """The table and what belongs to it: revision, readiness, change log, snapshots. KeyError
+    for an unknown driver on update; ``ChangeLogError`` (a 500) for a change once the log
+    failed a write."""
 
-    def __init__(self, settings: Settings, table: FleetTable, board: Board) -> None:
+    def __init__(
+        self, settings: Settings, table: FleetTable, board: Board, changelog: ChangeLog
+    ) -> None:
         self.settings = settings
         self.table = table
         self.board = board
+        # flushes, records, bytes: what durability costs (also in facts()["log"])
+        self.changelog = changelog
         self.revision = 0  # bumped on every change; a snapshot is skipped when unchanged
         self._saved = 0
         self._ready = not settings.demo_drivers  # the demo fleet's loader sets it
@@ -113,20 +129,30 @@ class IndexHost:
         await self.upsert_prepared(Prepared.of(records), vectors)
 
     async def upsert_prepared(self, prepared: Prepared, vectors: npt.NDArray[np.float32]) -> None:
-        self.table.upsert_prepared(prepared, vectors)
-        self._changed()
+        if prepared.ids:
+            seq, vocabulary = self.table.seq + 1, self.table.vocabulary
+            await self._change(Upsert.of(seq, prepared, vectors, vocabulary))
 
     async def update_driver(
         self, driver_id: str, *, position: Position | None, status: Status | None
     ) -> DriverRecord:
-        record = self.table.update_driver(driver_id, position=position, status=status)
-        self._changed()
+        place = None if position is None else Place.of(position)
+        record = await self._change(Update(self.table.seq + 1, driver_id, place, status))
+        assert record is not None
         return record
 
     async def delete_driver(self, driver_id: str) -> bool:
-        deleted = self.table.delete_driver(driver_id)
-        self._changed(int(deleted))
-        return deleted
+        if driver_id not in self.table:
+            return False
+        await self._change(Delete(self.table.seq + 1, driver_id))
+        return True
+
+    async def _change(self, change: Change) -> DriverRecord | None:
+        """Make ``change`` in the table, then wait until the log has it on disk."""
+        result = changes.apply(self.table, change)
+        self._changed()
+        await self.changelog.append(change)
+        return result
 
     async def get_driver(self, driver_id: str) -> DriverRecord | None:
         return self.table.get_driver(driver_id)
@@ -149,14 +175,22 @@ class IndexHost:
             log.info("ready: %d drivers in the fleet index", len(self.table))
 
     def facts(self) -> dict[str, Any]:
-        return {"ready": self._ready, "drivers": len(self.table), "revision": self.revision}
+        return {
+            "ready": self._ready,
+            "drivers": len(self.table),
+            "revision": self.revision,
+            "log": self.changelog.facts(),
+        }
 
     async def snapshot(self) -> None:
-        """Save the table when it changed since the last save (off the event loop)."""
+        """Save the table when it changed since the last save (off the event loop), then
+        delete the log segments it holds: the changes after it go to a fresh segment."""
         if self.revision != self._saved:
             revision = self.revision
-            await asyncio.to_thread(self.table.save, self.settings.index_dir)
+            await self.changelog.rotate()
+            seq = await asyncio.to_thread(self.table.save, self.settings.index_dir)
             self._saved = revision
+            await self.changelog.drop_covered(seq)
 
     async def snapshot_periodically(self) -> None:
         while True:
@@ -169,12 +203,21 @@ class IndexHost:
 
 @contextlib.asynccontextmanager
 async def open_index_host(settings: Settings, board: Board, dim: int) -> AsyncIterator[IndexHost]:
-    """The table of ``dim``-d vectors loaded from its last snapshot, snapshotted periodically
-    and on the way out."""
+    """The table of ``dim``-d vectors loaded from its last snapshot plus the change log after
+    it, snapshotted periodically and on the way out."""
     started = time.perf_counter()
     table = await asyncio.to_thread(FleetTable.load, settings.index_dir, dim)
-    log.info("fleet index loaded: %d drivers in %.2f s", len(table), time.perf_counter() - started)
-    host = IndexHost(settings, table, board)
+    loaded = table.seq
+    changelog, replayed = await asyncio.to_thread(recover, table, settings.index_dir / LOG_DIR)
+    log.info(
+        "fleet index loaded: %d drivers in %.2f s (snapshot of change %d, %d changes replayed)",
+        len(table),
+        time.perf_counter() - started,
+        loaded,
+        replayed,
+    )
+    host = IndexHost(settings, table, board, changelog)
+    host.revision = replayed  # the next periodic snapshot holds them
     task = asyncio.create_task(host.snapshot_periodically(), name="index-snapshots")
     try:
         yield host
@@ -182,7 +225,10 @@ async def open_index_host(settings: Settings, board: Board, dim: int) -> AsyncIt
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        await host.snapshot()
+        try:
+            await host.snapshot()
+        finally:
+            await changelog.close()
 
 
 # -- over IPC ------------------------------------------------------------------------------
