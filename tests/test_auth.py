@@ -21,9 +21,10 @@ from typer.testing import CliRunner
 from engines.fake import FakeEngine
 from features.synthetic import iter_fleet
 from proxy.app import create_app
-from proxy.auth import SCOPES, KeyRing, KeysFileError, add_key, route_rows
+from proxy.auth import SCOPES, KeyRing, KeysFileError, add_key, revoke_key, route_rows
 from proxy.cli import app as cli
 from tests.conftest import LiveServer, make_settings, wait_ready
+from tests.serve_process import FleetcacheServer
 
 SCOPE_NAMES = ("dispatch", "fleet", "warmup", "operator", "admin")
 DRIVER = next(iter(iter_fleet(1, seed=3))).model_dump(mode="json")
@@ -323,3 +324,28 @@ def test_keys_never_reach_the_log(
     logged = "\n".join(r.getMessage() for r in caplog.records)
     for key in (*keys.values(), "fc_wrong-key"):
         assert key not in logged
+
+
+def test_every_worker_of_a_served_tree_reloads_the_keys(tmp_path: Path) -> None:
+    """``fleetcache serve`` with three workers: each reads the file itself, so a key added or
+    revoked is honoured by whichever worker a new connection lands on."""
+    keys_file = tmp_path / "keys"
+    operator = add_key(keys_file, "ops", frozenset({"operator"}))
+    server = FleetcacheServer(tmp_path / "served", workers=3, api_keys_file=keys_file).start()
+    try:
+
+        def statuses(key: str) -> set[int]:  # a new connection each: spread over the workers
+            return {
+                httpx.get(f"{server.url}/v1/stats", headers=bearer(key)).status_code
+                for _ in range(30)
+            }
+
+        late = add_key(keys_file, "late", frozenset({"operator"}))
+        settle()
+        assert statuses(late) == {200} and statuses(operator) == {200}
+        assert httpx.get(f"{server.url}/v1/stats").status_code == 401
+        revoke_key(keys_file, "late")
+        settle()
+        assert statuses(late) == {401} and statuses(operator) == {200}
+    finally:
+        assert server.stop() == 0
