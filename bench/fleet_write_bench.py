@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -40,6 +41,7 @@ from bench.serve_bench import REPO, Server, Wrk, median
 from features.synthetic import generate_fleet
 from proxy.ipc import RpcClient, address
 
+_CLIENTS = itertools.count()
 SIZES = (1, 100)
 CONNECTIONS = (1, 16)
 JSON = {"Content-Type": "application/json"}
@@ -78,7 +80,10 @@ def log_facts(run_root: Path) -> dict[str, int]:
     [run_dir] = run_root.glob("fleetcache-*")
 
     async def ping() -> dict[str, Any]:
-        client = await RpcClient(address(run_dir, "index"), role="job").start()
+        # a new name each time: the server's ROUTER ignores a peer that reuses the name of one
+        # it has not yet seen go (the first bench run hung on that)
+        role = f"bench{next(_CLIENTS)}"
+        client = await RpcClient(address(run_dir, "index"), role=role).start()
         try:
             if not await client.wait_up(30):
                 raise SystemExit(f"the index process at {run_dir} does not answer")
