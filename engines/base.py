@@ -34,6 +34,11 @@ class EngineError(RuntimeError):
     """An engine failed; the waiters of the batch that hit it get this error."""
 
 
+class BatchError(EngineError):
+    """One batch failed while the engine still answers (a probe right after it succeeded):
+    what the batch held is to blame, so the batcher runs each request of it alone."""
+
+
 class EngineUnavailableError(EngineError):
     """The engine cannot run here; the message says what is missing (extra, GPU, file)."""
 

@@ -25,7 +25,9 @@ Threading model::
     dropped (the rest is re-tokenized).
 
 Every future is resolved on every path: with its rows; with the batch's ``EngineError`` (only
-the requests in that batch; the worker keeps serving); with ``EngineError("batcher closed")``
+the requests in that batch; the worker keeps serving; when the engine says the batch failed by
+what it held, ``BatchError``, each of its requests is run alone and only those whose own texts
+fail get it); with ``EngineError("batcher closed")``
 on ``aclose``; with ``DeadlineExceededError`` when its deadline passes while some of its items
 have not reached the engine yet (a timer fails it at the deadline, even while the engine is
 busy; items already in the engine finish, their rows are discarded); with
@@ -60,6 +62,7 @@ import numpy.typing as npt
 
 from engines.base import (
     Batch,
+    BatchError,
     DeadlineExceededError,
     Engine,
     EngineError,
@@ -484,30 +487,54 @@ class Batcher:
             request.sent += stop - start
             self._observe_wait(request.lane, now - request.submitted)
             self._notify(self.on_sent, request.tag, stop - start)
-        loop = asyncio.get_running_loop()
         try:
-            vectors, durations = await loop.run_in_executor(
-                self._executor, self._embed, texts, tokens
-            )
+            vectors, durations = await self._forward(texts, tokens)
+        except BatchError as exc:
+            self._batch_failed(exc, len(texts), healthy=True)
+            if len(batch) == 1:
+                self._fail(self._in_flight, exc)
+            else:  # its requests alone: only those whose own texts fail get the error
+                for item in batch:
+                    await self._run_alone(item)
         except Exception as exc:
-            if isinstance(exc, EngineError):
-                error = exc
-            else:
-                error = EngineError(f"engine failed: {exc!r}")
-                error.__cause__ = exc
-            self._failed_batches += 1
+            error = as_engine_error(exc)
             # An engine that declines (EngineUnavailableError) reports why, and when it is
             # back, in its own health(); only a real failure marks the batcher unhealthy.
-            if not isinstance(exc, EngineUnavailableError):
-                self._last_batch_failed = True
-            self._last_error = f"{type(exc).__name__}: {exc}"
-            logger.warning("batch of %d texts failed: %s", len(texts), self._last_error)
+            self._batch_failed(exc, len(texts), healthy=isinstance(exc, EngineUnavailableError))
             self._fail(self._in_flight, error)
-            self._in_flight = []
-            self._notify(self.on_batch_done)
+        else:
+            self._batches += len(durations) - 1  # one per forward when the budget split it
+            self._done(batch, vectors, durations)
+        self._in_flight = []
+        self._notify(self.on_batch_done)
+
+    async def _forward(self, texts: list[str], tokens: Batch | None) -> tuple[Vectors, list[float]]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._embed, texts, tokens)
+
+    async def _run_alone(self, item: _Slice) -> None:
+        """One request's slice of a batch that failed by what it held, run on its own."""
+        request, start, stop = item
+        if request.future.done():  # cancelled or expired meanwhile
             return
-        self._batches += len(durations) - 1  # one per forward when the token budget split it
-        self._ok_items += len(texts)
+        self._batches += 1
+        try:
+            vectors, durations = await self._forward(request.texts[start:stop], None)
+        except Exception as exc:
+            self._batch_failed(exc, stop - start, healthy=isinstance(exc, BatchError))
+            self._fail([request], as_engine_error(exc))
+        else:
+            self._done([item], vectors, durations)
+
+    def _batch_failed(self, exc: Exception, size: int, *, healthy: bool) -> None:
+        self._failed_batches += 1
+        if not healthy:
+            self._last_batch_failed = True
+        self._last_error = f"{type(exc).__name__}: {exc}"
+        logger.warning("batch of %d texts failed: %s", size, self._last_error)
+
+    def _done(self, batch: list[_Slice], vectors: Vectors, durations: list[float]) -> None:
+        self._ok_items += len(vectors)
         self._engine_ms += sum(durations)
         self._batch_ms.extend(durations)
         self._last_batch_failed = False
@@ -519,8 +546,6 @@ class Batcher:
                 if request.filled == len(request.texts):
                     request.future.set_result(request.rows)
             offset += stop - start
-        self._in_flight = []
-        self._notify(self.on_batch_done)
 
     def _embed(self, texts: list[str], tokens: Batch | None) -> tuple[Vectors, list[float]]:
         """Runs on the engine thread; tokenizes here unless the batch was tokenized ahead.
@@ -591,6 +616,14 @@ class Batcher:
                 request = queue.popleft()
                 self._drop(request)
                 self._fail([request], error)
+
+
+def as_engine_error(exc: Exception) -> EngineError:
+    if isinstance(exc, EngineError):
+        return exc
+    error = EngineError(f"engine failed: {exc!r}")
+    error.__cause__ = exc
+    return error
 
 
 def deadline_after(ms: float | None) -> float | None:

@@ -2,13 +2,18 @@
 
 States of the primary::
 
-    healthy --- a batch raises, or the p99 of its last ``window`` batch times
-       ^        exceeds ``max_batch_p99_ms`` (``min_batches`` at least) -----> unhealthy
+    healthy --- a batch raises and a probe right after it fails too, or the p99 of
+       ^        its last ``window`` batch times exceeds ``max_batch_p99_ms``
+       |        (``min_batches`` at least) -----------------------------------> unhealthy
        |                                                                          |
        +--- a probe (``probe_texts`` on the primary, within the limit) succeeds --+
             probes run on a timer thread after ``backoff_s``, doubling up to
             ``max_backoff_s`` while they fail: recovery needs no traffic (while
             /readyz is 503 a load balancer sends none)
+
+A batch that raises while the probe right after it succeeds failed because of what it held
+(a text the model cannot take, one batch too large for memory): only its waiters get the
+``EngineError``, everyone else is served as before. A lost device fails the probe as well.
 
 While the primary is unhealthy, batches go to ``fallback`` when there is one, else they are
 refused with ``EngineUnavailableError`` (and ``health()["serving"]`` is ``none``, so the batcher
@@ -30,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from engines.base import Batch, Engine, EngineError, EngineUnavailableError, Vectors
+from engines.base import Batch, BatchError, Engine, EngineError, EngineUnavailableError, Vectors
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +125,13 @@ class FallbackEngine(Engine):
                 with self._primary_lock:
                     vectors = self._run(self.primary, batch)
             except Exception as exc:
-                self._trip(f"primary engine failed: {type(exc).__name__}: {exc}")
+                failure = f"{type(exc).__name__}: {exc}"
+                if self._still_answers():
+                    logger.warning(
+                        "a batch of %d failed, the engine answers: %s", batch.size, failure
+                    )
+                    raise BatchError(f"this batch failed: {failure}") from exc
+                self._trip(f"primary engine failed: {failure}")
                 if self.fallback is None:
                     raise EngineUnavailableError(f"{self._reason}; no fallback") from exc
             else:
@@ -157,6 +168,15 @@ class FallbackEngine(Engine):
     def _use_primary(self) -> bool:
         with self._state:
             return self._healthy
+
+    def _still_answers(self) -> bool:
+        """Right after a failed batch: do the probe texts still embed on the primary?"""
+        try:
+            with self._primary_lock:
+                self.primary.embed(self.probe_texts)
+        except Exception:
+            return False
+        return True
 
     def _record(self, elapsed_ms: float) -> None:
         """Track the primary's batch times; a p99 over the limit makes it unhealthy."""

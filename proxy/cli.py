@@ -29,7 +29,7 @@ from cache.prune import NamespaceUsage, prune
 from features.readers import file_format, write_records
 from features.synthetic import iter_fleet
 from proxy.auth import KNOWN_SCOPES, KeysFileError, add_key, parse_scopes, read_keys, revoke_key
-from proxy.settings import Settings
+from proxy.settings import Settings, check_data_dir
 from proxy.warmup import (
     RemoteSink,
     WarmupProgress,
@@ -85,11 +85,18 @@ def answer(response: httpx.Response) -> dict[str, Any]:
     )
 
 
-def load_settings() -> Settings:
+def load_settings(writes: bool = False) -> Settings:
+    """The settings; ``writes``: the command writes the data dir, so check that it can."""
     try:
-        return Settings()
+        settings = Settings()
+        if writes:
+            check_data_dir(settings)
+        return settings
     except ValidationError as exc:
         console.print(f"[red]invalid settings:[/red] {exc}")
+        raise typer.Exit(2) from None
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from None
 
 
@@ -113,7 +120,7 @@ def serve(
     (settings from FLEETCACHE_* variables)."""
     from proxy.supervisor import Supervisor, auto_workers
 
-    settings = load_settings()
+    settings = load_settings(writes=True)
     setup_logging(log_level)
     if settings.api_keys_file is not None:  # each worker reads it; a bad one stops us here
         try:
@@ -229,7 +236,7 @@ def warmup(
         console.print(f"[red]no such file:[/red] {path}")
         raise typer.Exit(2)
     setup_logging("warning")
-    settings = None if url else load_settings()
+    settings = None if url else load_settings(writes=not dry_run)
     # direct mode keeps its place in the data dir; through a proxy, in the working directory
     places = settings.data_dir / "warmup" if settings else Path(".fleetcache") / "warmup"
     checkpoint = checkpoint_for(places.parent, path)

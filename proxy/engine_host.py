@@ -65,7 +65,7 @@ def engine_options(
 ) -> dict[str, Any]:
     """``create_engine`` options of the configured engine, or of another kind/device."""
     if (kind or settings.engine) == "fake":
-        return {"delay_s": settings.fake_delay_ms / 1000.0} if settings.fake_delay_ms else {}
+        return {"delay_s": settings.fake_delay_ms / 1000.0, "fail_on": settings.fake_fail_on}
     options: dict[str, Any] = {
         "device": device or settings.device,
         "max_seq_length": settings.max_seq_length,
@@ -97,8 +97,13 @@ class EngineHost:
         board: Board,
         stats: BoardCacheStats,
         writer: VectorWriter | None,
+        store: TieredByteStore | None = None,
     ) -> None:
+        """``store``: the shared tier this host owns (the engine process of ``fleetcache
+        serve``), whose failures it reports; None when the process's services report it."""
         self.settings = settings
+        self.store = store
+        self.writer = writer
         self.engine = engine
         self.batcher = batcher
         self.board = board
@@ -175,6 +180,7 @@ class EngineHost:
             "health": asdict(self.health()),
             "last_error": stats.last_error,
             "per_item_ms": stats.per_item_ms,
+            "store": None if self.store is None else self.store.store_health(),
         }
 
     def publish(self) -> None:
@@ -186,6 +192,11 @@ class EngineHost:
             board.put(f"inference.{name}", value)
         board.gauge("queue.depth", self.batcher.queued)
         board.gauge("cache.in_flight", self.flight.in_flight)
+        if self.store is not None:  # its write-backs' failures (a full LMDB map, Redis down)
+            links = self.writer.errors.count if self.writer is not None else 0
+            board.put("cache.store_errors", self.store.store_errors + links)
+            board.put("cache.store_skipped", self.store.store_skipped)
+            board.gauge("cache.store_degraded", float(self.store.store_degraded))
 
 
 @contextlib.asynccontextmanager
@@ -215,6 +226,7 @@ async def open_engine_host(
             info.precision,
             info.fingerprint,
         )
+        owned = store is None
         if store is None:
             store = shared_tier(settings)
             stack.callback(store.close)
@@ -248,7 +260,9 @@ async def open_engine_host(
         writer = None
         if store.store is not None:  # through the tiers: a degraded store is skipped a while
             writer = VectorWriter(store, namespace=cache_namespace(info))
-        host = EngineHost(settings, engine, batcher, board, counts, writer)
+        host = EngineHost(
+            settings, engine, batcher, board, counts, writer, store if owned else None
+        )
         stack.push_async_callback(host.flight.drain, 5.0)  # exits first: rows written back
         host.publish()
         yield host

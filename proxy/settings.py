@@ -6,6 +6,8 @@ global. Validators fail fast with a message that names the variable.
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -27,6 +29,9 @@ class Settings(BaseSettings):
     max_seq_length: int = Field(256, ge=8, le=8192)
     fake_delay_ms: float = Field(
         0.0, ge=0.0, le=60_000.0, description="engine=fake: each forward sleeps this long (tests)"
+    )
+    fake_fail_on: str | None = Field(
+        None, description="engine=fake: a batch holding a text that contains this raises (tests)"
     )
     # batcher
     max_batch_size: int = Field(64, ge=1, le=8192)
@@ -96,6 +101,8 @@ class Settings(BaseSettings):
                 f"{DEMO_CHUNK} drivers (FLEETCACHE_DEMO_DRIVERS={self.demo_drivers}): it could "
                 "never be loaded"
             )
+        if self.engine != "fake" and (self.fake_fail_on or self.fake_delay_ms):
+            raise ValueError("FLEETCACHE_FAKE_* settings need FLEETCACHE_ENGINE=fake")
         if self.engine == "fake" and self.model_path:
             raise ValueError("FLEETCACHE_MODEL_PATH has no meaning with FLEETCACHE_ENGINE=fake")
         return self
@@ -107,3 +114,28 @@ class Settings(BaseSettings):
     @property
     def lmdb_path(self) -> Path:
         return self.data_dir / "cache.lmdb"
+
+
+def check_data_dir(settings: Settings) -> None:
+    """Start-up: ``ValueError`` naming the directory when the data dir (or a part of it that
+    exists already) cannot be written, instead of processes that fail and restart forever."""
+    places = [settings.data_dir, settings.index_dir, settings.data_dir / "warmup"]
+    if settings.store == "lmdb":
+        places.append(settings.lmdb_path)
+    for place in places:
+        if place != settings.data_dir and not place.exists():
+            continue
+        probe = place / f".write-probe-{os.getpid()}"
+        try:
+            place.mkdir(parents=True, exist_ok=True)
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            os.close(fd)
+            probe.unlink()
+        except OSError as exc:
+            why = os.strerror(exc.errno) if exc.errno else type(exc).__name__
+            if exc.errno == errno.EPERM:
+                why = "cannot be created or written (Operation not permitted)"
+            raise ValueError(
+                f"FLEETCACHE_DATA_DIR: {place} is not writable: {why}. The cache and the "
+                "fleet index are kept there: give the service a writable directory"
+            ) from None

@@ -34,8 +34,16 @@ class Snapshot:
 def cache_section(services: Services, totals: Totals) -> dict[str, Any]:
     s, g = totals.scalars, totals.gauges
     hits, coalesced, misses = (int(s[f"cache.{k}"]) for k in ("hits", "coalesced", "misses"))
+    seen = services.tiers.store_health()  # kind, last error: this worker's view of the store
+    written = services.engine.facts().get("store")  # the engine process's, writing back
+    if written and (written["last_error_at"] or 0) > (seen["last_error_at"] or 0):
+        seen = {
+            **seen,
+            "last_error": written["last_error"],
+            "last_error_at": written["last_error_at"],
+        }
     store = {
-        **services.tiers.store_health(),  # kind, last error: this worker's view of the store
+        **seen,
         "hits": int(s["cache.store_hits"]),
         "errors": int(s["cache.store_errors"]),
         "skipped": int(s["cache.store_skipped"]),

@@ -16,7 +16,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engines.base import Batch, DeadlineExceededError, EngineError, QueueFullError, Vectors
+from engines.base import (
+    Batch,
+    BatchError,
+    DeadlineExceededError,
+    EngineError,
+    QueueFullError,
+    Vectors,
+)
 from engines.batcher import Batcher, deadline_after
 from engines.fake import FakeEngine
 
@@ -145,6 +152,48 @@ def test_engine_error_fails_only_that_batch_and_serving_continues() -> None:
             assert (stats.batches, stats.failed_batches, stats.items) == (3, 1, 4)
             assert stats.last_error is not None and "boom" in stats.last_error
             assert stats.items == engine.items
+
+    run(test)
+
+
+class BlamingEngine(RecordingEngine):
+    """Raises ``BatchError`` (the engine answers, the batch is to blame) on "boom"."""
+
+    def forward(self, batch: Batch) -> Vectors:
+        try:
+            return super().forward(batch)
+        except EngineError as exc:
+            raise BatchError(str(exc)) from exc
+
+
+def test_a_batch_failed_by_what_it_held_fails_only_the_request_that_held_it() -> None:
+    """A batch of three requests, one holding a text the engine refuses: each request runs
+    alone after it, only the culprit gets the error, and the batcher stays healthy."""
+
+    async def test() -> None:
+        engine = BlamingEngine(hold=True, fail_on="boom")
+        async with Batcher(engine, max_batch_size=8) as batcher:
+            first = spawn(batcher.submit(["first"]))
+            await engine_busy(engine)
+            before = spawn(batcher.submit(["ok-1", "ok-2"]))
+            bad = spawn(batcher.submit(["ok-3", "boom"]))
+            after = spawn(batcher.submit(["ok-4"]))
+            await until(lambda: batcher.queued == 5)
+            engine.release()
+            results = await asyncio.gather(first, before, bad, after, return_exceptions=True)
+            assert engine.batches == [
+                ["first"],
+                ["ok-1", "ok-2", "ok-3", "boom", "ok-4"],
+                ["ok-1", "ok-2"],
+                ["ok-3", "boom"],
+                ["ok-4"],
+            ]
+            assert isinstance(results[2], BatchError) and "boom" in str(results[2])
+            np.testing.assert_array_equal(results[1], engine.expected(["ok-1", "ok-2"]))
+            np.testing.assert_array_equal(results[3], engine.expected(["ok-4"]))
+            assert batcher.healthy
+            stats = batcher.stats()
+            assert (stats.failed_batches, stats.items) == (2, 6)  # items: texts sent, once
 
     run(test)
 

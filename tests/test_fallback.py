@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from engines.base import Batch, EngineError, EngineUnavailableError, Vectors
+from engines.base import Batch, BatchError, EngineError, EngineUnavailableError, Vectors
 from engines.batcher import Batcher
 from engines.fake import FakeEngine
 from engines.fallback import PROBE_TEXTS, FallbackEngine
@@ -88,6 +88,32 @@ def test_engine_error_refuses_misses_until_a_probe_succeeds() -> None:
             vectors = await batcher.submit(["after"])
         assert primary.misses_seen() == ["before", "fails", "after"]
         np.testing.assert_array_equal(vectors, FakeEngine(dim=8).embed(["after"]))
+        engine.close()
+
+    asyncio.run(test())
+
+
+def test_a_batch_that_fails_while_the_engine_still_answers_trips_nothing() -> None:
+    """A text the model cannot take fails its own request only: the probe right after the
+    failed batch succeeds, so the primary stays healthy and nothing else is refused."""
+
+    async def test() -> None:
+        primary = FlakyEngine(fail_on="POISON")
+        engine = FallbackEngine(primary, backoff_s=60, max_backoff_s=60)
+        async with Batcher(engine) as batcher:
+            results = await asyncio.gather(
+                batcher.submit(["good-1"]),
+                batcher.submit(["POISON"]),
+                batcher.submit(["good-2"]),
+                return_exceptions=True,
+            )
+            assert isinstance(results[1], BatchError)
+            assert not isinstance(results[0], BaseException)
+            assert not isinstance(results[2], BaseException)
+            health = batcher.engine_health()
+            assert (health.healthy, health.serving) == (True, "primary")
+            assert PROBE_TEXTS[0] in primary.texts  # the probe that cleared the engine
+            await batcher.submit(["good-3"])
         engine.close()
 
     asyncio.run(test())
