@@ -7,11 +7,16 @@
 - a data dir that cannot be written: ``fleetcache serve`` stops at once with a clear message
   (no traceback, no processes restarting forever).
 
-kill -9 during warm-up is in test_warmup.py (direct) and test_fleet_durability.py (``--url``).
+- ``fleetcache warmup --url`` while the server tree is killed with -9 and restarted: no row
+  lost. (kill -9 of a direct warm-up: test_warmup.py; of every acknowledged fleet change:
+  test_fleet_durability.py.)
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -24,8 +29,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from features.readers import write_records
+from features.synthetic import generate_fleet
 from tests.redis_server import RedisServer
-from tests.serve_process import FleetcacheServer
+from tests.serve_process import FleetcacheServer, descendants
 
 
 class Load:
@@ -166,3 +173,51 @@ def test_a_data_dir_that_cannot_be_written_stops_the_start_with_a_clear_error(
     assert result.returncode == 2
     assert f"FLEETCACHE_DATA_DIR: {data_dir} is not writable" in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
+
+
+@pytest.mark.timeout(400)
+def test_warmup_through_a_server_killed_with_9_loses_no_row(tmp_path: Path) -> None:
+    """Issue 12's defect 2 as it was found: ``fleetcache warmup FILE --url`` while the whole
+    server tree is SIGKILLed and started again on the same port and data dir. The client waits
+    the restart out (connection errors are retried) and finishes; every row is in the index."""
+    rows = 6_000
+    fleet = tmp_path / "fleet.jsonl"
+    write_records(generate_fleet(rows, seed=21), fleet)
+    server = FleetcacheServer(tmp_path / "served", workers=2).start()
+    command = [sys.executable, "-m", "proxy.cli", "warmup", str(fleet), "--url", server.url]
+    client = subprocess.Popen(
+        [*command, "--chunk-size", "200"],
+        cwd=tmp_path,
+        env={**server.env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while (indexed := server.stats()["fleet"]["drivers"]) < 1_000:
+            assert time.monotonic() < deadline and client.poll() is None, "warm-up stalled"
+            time.sleep(0.05)
+        assert indexed < rows, "the warm-up ended before the crash"
+        assert server.process is not None
+        for pid in [server.process.pid, *descendants(server.process.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        server.process.wait(10)
+        server.process = None
+        time.sleep(1.0)  # the client meets a dead port for a while
+        again = FleetcacheServer(tmp_path / "served", workers=2)
+        again.port, again.url = server.port, server.url
+        again.start()
+        output, _ = client.communicate(timeout=300)
+        assert client.returncode == 0, output
+        assert f"{rows} rows" in output
+        stats = again.stats()
+        assert stats["fleet"]["drivers"] == rows
+        with httpx.Client(base_url=again.url) as http:
+            for n in range(0, rows, 250):
+                assert http.get(f"/v1/fleet/drivers/D{n:06d}").status_code == 200
+        assert again.stop() == 0
+    finally:
+        if client.poll() is None:
+            client.kill()
