@@ -101,8 +101,9 @@ class EngineHealth:
     """Whether misses can be computed now, and by what (/readyz, /v1/stats)."""
 
     healthy: bool
-    reason: str | None  # why not healthy
+    reason: str | None  # why not healthy, or why degraded
     serving: str  # primary | fallback | none (misses are refused at once)
+    degraded: bool = False  # healthy, but a soft reading of its device holds (FallbackEngine)
 
 
 QueueWaitObserver = Callable[[str, float], None]  # (lane, seconds), once per request slice
@@ -272,6 +273,8 @@ class Batcher:
             return EngineHealth(False, str(health.get("reason") or "engine not ok"), serving)
         if self._last_batch_failed:
             return EngineHealth(False, f"engine failing: {self._last_error}", serving)
+        if health.get("degraded"):
+            return EngineHealth(True, str(health.get("reason")), serving, degraded=True)
         return EngineHealth(True, None, serving)
 
     @property

@@ -19,6 +19,15 @@ While the primary is unhealthy, batches go to ``fallback`` when there is one, el
 refused with ``EngineUnavailableError`` (and ``health()["serving"]`` is ``none``, so the batcher
 refuses submissions at once). Cache hits never reach an engine and are served throughout.
 
+Readings of the primary's device (``watch``: ``proxy.gpu_health.GpuCheck``, every
+``watch_interval_s`` on a thread of its own, or ``observe`` directly) act on the same states:
+a ``Condition.fault`` (a lost device, uncorrected ECC errors growing) trips the primary as a
+failed batch does; a ``Condition.slow`` (hot, clocks held back, a narrow PCIe link) leaves it
+*healthy but degraded*: misses go to the fallback when there is one, else the primary keeps
+serving, and ``health()`` says ``degraded`` with the reading as ``reason``. Either way the
+probe timer runs, and the primary is healthy (and not degraded) again only when a probe
+succeeds AND the last ``clean_readings`` readings were clean.
+
 A fallback is accepted only when its fingerprint equals the primary's: its vectors then
 belong to the same cache namespace. A different fingerprint is refused at construction with
 ``ValueError`` (a configuration error, reported at start-up, never a silent downgrade).
@@ -30,7 +39,8 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -40,6 +50,23 @@ from engines.base import Batch, BatchError, Engine, EngineError, EngineUnavailab
 logger = logging.getLogger(__name__)
 
 PROBE_TEXTS = ("fleetcache health probe",) * 8
+
+
+@dataclass(frozen=True)
+class Condition:
+    """One reading of the primary's device: ``fault`` (hard: trips the primary) and ``slow``
+    (soft: degraded) are the reasons, None when the reading shows nothing of the kind."""
+
+    fault: str | None = None
+    slow: str | None = None
+
+    @property
+    def clean(self) -> bool:
+        return self.fault is None and self.slow is None
+
+
+# The device's condition now, or None when there is no device to watch (the watch stops).
+Watch = Callable[[], Condition | None]
 
 
 class FallbackEngine(Engine):
@@ -56,6 +83,9 @@ class FallbackEngine(Engine):
         backoff_s: float = 1.0,
         max_backoff_s: float = 30.0,
         probe_texts: Sequence[str] = PROBE_TEXTS,
+        watch: Watch | None = None,
+        watch_interval_s: float = 5.0,
+        clean_readings: int = 3,
     ) -> None:
         if fallback is not None and fallback.fingerprint != primary.fingerprint:
             raise ValueError(
@@ -67,6 +97,8 @@ class FallbackEngine(Engine):
             )
         if not 1 <= min_batches <= window or backoff_s <= 0 or max_backoff_s < backoff_s:
             raise ValueError("need 1 <= min_batches <= window and 0 < backoff_s <= max_backoff_s")
+        if watch_interval_s <= 0 or clean_readings < 1:
+            raise ValueError("need watch_interval_s > 0 and clean_readings >= 1")
         self.primary = primary
         self.fallback = fallback
         self.info = primary.info
@@ -84,6 +116,12 @@ class FallbackEngine(Engine):
         self._backoff = backoff_s
         self._timer: threading.Timer | None = None
         self._closed = False
+        self._slow: str | None = None  # the soft reading that holds now (degraded)
+        self._readings: deque[bool] = deque(maxlen=clean_readings)  # clean or not, newest last
+        self._watch = watch
+        self._watch_interval_s = watch_interval_s
+        self._watcher: threading.Thread | None = None
+        self._stop = threading.Event()
 
     # -- lifecycle (both engines) ----------------------------------------------------------
 
@@ -92,6 +130,9 @@ class FallbackEngine(Engine):
         if self.fallback is not None:
             self.fallback.load()
         self.info = self.primary.info  # load may fill in the device
+        if self._watch is not None and self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch_loop, name="gpu-watch", daemon=True)
+            self._watcher.start()
 
     def warmup(self) -> None:
         self.primary.warmup()
@@ -99,10 +140,13 @@ class FallbackEngine(Engine):
             self.fallback.warmup()
 
     def close(self) -> None:
+        self._stop.set()
         with self._state:
             self._closed = True
             if self._timer is not None:
                 self._timer.cancel()
+        if self._watcher is not None:
+            self._watcher.join(timeout=10.0)
         with self._primary_lock:  # not in the middle of a probe
             self.primary.close()
         if self.fallback is not None:
@@ -146,11 +190,18 @@ class FallbackEngine(Engine):
 
     def health(self) -> dict[str, Any]:
         with self._state:
-            healthy, reason, retry_at = self._healthy, self._reason, self._retry_at
-        serving = "primary" if healthy else "fallback" if self.fallback is not None else "none"
+            healthy, reason, retry_at, slow = (
+                self._healthy,
+                self._reason,
+                self._retry_at,
+                self._slow,
+            )
+        primary = healthy and (slow is None or self.fallback is None)
+        serving = "primary" if primary else "fallback" if self.fallback is not None else "none"
         return {
             "ok": healthy,
-            "reason": reason,
+            "reason": reason if not healthy else slow,
+            "degraded": slow is not None,
             "serving": serving,
             "retry_in_s": None if retry_at is None else max(0.0, retry_at - time.monotonic()),
             "primary": self.primary.health(),
@@ -167,7 +218,49 @@ class FallbackEngine(Engine):
 
     def _use_primary(self) -> bool:
         with self._state:
-            return self._healthy
+            return self._healthy and (self._slow is None or self.fallback is None)
+
+    # -- readings of the device ------------------------------------------------------------
+
+    def observe(self, condition: Condition) -> None:
+        """One reading of the primary's device (see the module docstring)."""
+        with self._state:
+            self._readings.append(condition.clean)
+        if condition.fault is not None:
+            self._trip(f"primary device fault: {condition.fault}")
+        with self._state:
+            if condition.slow is None or self._closed:
+                return
+            if self._slow is None:
+                logger.warning(
+                    "primary engine degraded (%s); misses go to %s",
+                    condition.slow,
+                    "the fallback" if self.fallback is not None else "the primary still",
+                )
+            self._slow = condition.slow
+            if self._retry_at is None:
+                self._schedule_probe()
+
+    def _readings_clean(self) -> bool:
+        """Called with ``_state`` held: the last ``clean_readings`` readings were clean (or
+        there was none: nothing is watched)."""
+        readings = self._readings
+        return not readings or (len(readings) == readings.maxlen and all(readings))
+
+    def _watch_loop(self) -> None:
+        """On its own thread: a reading every ``watch_interval_s`` until closed."""
+        assert self._watch is not None
+        while not self._stop.is_set():
+            try:
+                condition = self._watch()
+            except Exception as exc:  # a bug in the reader must not kill the engine
+                logger.warning("reading the primary's device failed: %r", exc)
+            else:
+                if condition is None:
+                    logger.info("no device to watch for the primary engine")
+                    return
+                self.observe(condition)
+            self._stop.wait(self._watch_interval_s)
 
     def _still_answers(self) -> bool:
         """Right after a failed batch: do the probe texts still embed on the primary?"""
@@ -197,7 +290,8 @@ class FallbackEngine(Engine):
                 return
             self._healthy, self._reason = False, reason
             self._batch_ms.clear()
-            self._schedule_probe()
+            if self._retry_at is None:  # no probe pending yet (a soft reading may have one)
+                self._schedule_probe()
         logger.warning(
             "primary engine unhealthy (%s); misses go to %s; retry in %.1f s",
             reason,
@@ -213,7 +307,8 @@ class FallbackEngine(Engine):
         self._timer.start()
 
     def _probe(self) -> None:
-        """On the timer thread: embed ``probe_texts`` on the primary, within the limit."""
+        """On the timer thread: embed ``probe_texts`` on the primary, within the limit; the
+        primary is back once that succeeds and the last readings of its device are clean."""
         try:
             started = time.perf_counter()
             with self._primary_lock:
@@ -225,6 +320,8 @@ class FallbackEngine(Engine):
             with self._state:
                 if self._closed:
                     return
+                if self._healthy:  # degraded, and now failing too
+                    self._healthy, self._reason = False, f"primary engine probe failed: {exc}"
                 self._backoff = min(self._backoff * 2, self.max_backoff_s)
                 self._schedule_probe()
             logger.info(
@@ -232,6 +329,11 @@ class FallbackEngine(Engine):
             )
             return
         with self._state:
-            self._healthy, self._reason, self._retry_at = True, None, None
+            if self._closed:
+                return
+            if not self._readings_clean():  # the primary answers: retry without backing off
+                self._schedule_probe()
+                return
+            self._healthy, self._reason, self._retry_at, self._slow = True, None, None, None
             self._backoff, self._timer = self.backoff_s, None
         logger.warning("primary engine healthy again (probe took %.1f ms)", elapsed_ms)

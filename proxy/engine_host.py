@@ -36,6 +36,7 @@ from engines.fallback import FallbackEngine
 from engines.registry import create_engine
 from features.text import TEXT_SCHEMA_VERSION
 from proxy.board import Board
+from proxy.gpu_health import GpuCheck
 from proxy.ipc import Blobs, Handler, RpcClient, RpcServer, frame_rows, rows_frame
 from proxy.settings import Settings
 from proxy.telemetry import (
@@ -76,14 +77,25 @@ def engine_options(
 
 
 def build_engine(settings: Settings) -> FallbackEngine:
-    """The configured engine, watched: unhealthy on a failed batch or a batch p99 over
-    ``max_batch_p99_ms``, then misses go to the fallback (same fingerprint only) or get 503."""
+    """The configured engine, watched: unhealthy on a failed batch, a batch p99 over
+    ``max_batch_p99_ms`` or a hard fault of its GPU, then misses go to the fallback (same
+    fingerprint only) or get 503; degraded by a soft reading of its GPU (``GpuCheck`` every
+    ``gpu_health_interval_s``, on a CUDA device only)."""
     primary = create_engine(settings.engine, **engine_options(settings))
     fallback = None
     if settings.fallback_engine is not None:
         kind, device = settings.fallback_engine, settings.fallback_device
         fallback = create_engine(kind, **engine_options(settings, kind, device))
-    return FallbackEngine(primary, fallback, max_batch_p99_ms=settings.max_batch_p99_ms)
+    watch = None
+    if settings.gpu_health_interval_s > 0:
+        watch = GpuCheck(lambda: primary.info.device, max_temp_c=settings.gpu_max_temp_c)
+    return FallbackEngine(
+        primary,
+        fallback,
+        max_batch_p99_ms=settings.max_batch_p99_ms,
+        watch=watch,
+        watch_interval_s=settings.gpu_health_interval_s or 5.0,
+    )
 
 
 class EngineHost:

@@ -13,20 +13,37 @@ returns one JSON-ready reading for ``/v1/stats`` (section ``"gpu"``) and ``/metr
 
 Without a GPU or without ``pynvml`` the reading is ``{"available": false, "reason": "..."}``
 and nothing raises. ``pynvml`` is imported lazily, on the first reading. A field the device
-does not support (ECC on consumer cards, for instance) reads ``null``.
+does not support (ECC on consumer cards, for instance) reads ``null``; a device NVML cannot
+reach any more (GPU lost, fallen off the bus) reads ``null`` everywhere, with its ``error``.
 
-``python -m proxy.gpu_health`` prints one reading as JSON.
+The readings act (API.md v1.1, "GPU health acts"): ``GpuCheck`` is the engine's ``watch``
+(``engines.fallback``). ``judge`` turns a reading of the engine's GPU into a ``Condition``:
+
+    fault (trips the engine)   the device lost (NVML cannot reach it, or it is gone from the
+                               count), uncorrected ECC errors growing since the last reading
+    slow (degraded)            temperature >= max_temp_c; hardware, thermal or power-brake
+                               slowdown; the PCIe link below its maximum while the GPU is busy
+                               (an idle GPU trains its link down); never a software power cap,
+                               which is normal at peak
+
+``python -m proxy.gpu_health`` prints one reading as JSON; ``--judge`` adds each device's
+condition (the engine's trip logic, against a real reading).
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
+import os
+import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
+
+from engines.fallback import Condition
 
 # nvmlClocksEventReason* / nvmlClocksThrottleReason* bits (stable across NVML versions)
 THROTTLE_REASONS = {
@@ -42,6 +59,11 @@ THROTTLE_REASONS = {
 }
 # reasons that mean the GPU is being held back while it has work (idle is not one of them)
 SLOWDOWN_MASK = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
+# ...of which these degrade the engine: a software power cap (0x4) is normal at peak
+HARDWARE_SLOWDOWN_MASK = 0x8 | 0x20 | 0x40 | 0x80
+# "busy" for the PCIe check: NVML's utilisation (percent of the last sample period with a
+# kernel running); an idle GPU trains its link down to save power, and that is no fault
+BUSY_PCT = 10
 
 NVML_TEMPERATURE_GPU = 0
 NVML_CLOCK_SM = 1
@@ -109,7 +131,7 @@ class GpuMonitor:
             return {"available": False, "reason": f"NVML failed: {type(exc).__name__}: {exc}"}
         if not count:
             return {"available": False, "reason": "NVML sees no GPU"}
-        devices = [read_device(nvml, i) for i in range(count)]
+        devices = [read_device_or_error(nvml, i) for i in range(count)]
         return {
             "available": True,
             "driver_version": None if driver is None else _text(driver),
@@ -129,6 +151,32 @@ def _optional(fn: Callable[..., Any], *args: Any) -> Any:
         return fn(*args)
     except Exception:
         return None
+
+
+def read_device_or_error(nvml: ModuleType, index: int) -> dict[str, Any]:
+    """``read_device``, or the same keys all null with the ``error`` (NVMLError_GpuIsLost...)."""
+    try:
+        return read_device(nvml, index)
+    except Exception as exc:
+        return lost_device(index, f"{type(exc).__name__}: {exc}")
+
+
+def lost_device(index: int, error: str) -> dict[str, Any]:
+    keys = ("name", "uuid", "temperature_c", "memory_used_bytes", "memory_total_bytes")
+    more = ("utilization_gpu_pct", "utilization_memory_pct", "power_w", "power_limit_w")
+    clocks = ("sm_clock_mhz", "max_sm_clock_mhz")
+    return {
+        "index": index,
+        **dict.fromkeys(keys + more + clocks),
+        "ecc": {
+            f"{k}_{c}": None
+            for k in ("corrected", "uncorrected")
+            for c in ("volatile", "aggregate")
+        },
+        "pcie": {"gen": None, "max_gen": None, "width": None, "max_width": None, "below_max": None},
+        "throttle": {"mask": None, "reasons": [], "slowdown": None},
+        "error": error,
+    }
 
 
 def read_device(nvml: ModuleType, index: int) -> dict[str, Any]:
@@ -155,6 +203,7 @@ def read_device(nvml: ModuleType, index: int) -> dict[str, Any]:
         "ecc": read_ecc(nvml, handle),
         "pcie": read_pcie(nvml, handle),
         "throttle": read_throttle(nvml, handle),
+        "error": None,
     }
 
 
@@ -208,8 +257,125 @@ def default_monitor() -> GpuMonitor:
     return GpuMonitor()
 
 
-def main() -> None:
-    print(json.dumps(GpuMonitor(min_interval_s=0.0).read(), indent=2))
+# -- acting on readings ----------------------------------------------------------------------
+
+
+def _uncorrected(device: Mapping[str, Any]) -> int | None:
+    ecc = device["ecc"]
+    value = ecc["uncorrected_volatile"]
+    return ecc["uncorrected_aggregate"] if value is None else value
+
+
+def judge(
+    reading: Mapping[str, Any],
+    index: int,
+    *,
+    max_temp_c: float,
+    seen: bool = False,
+    last_uncorrected: int | None = None,
+) -> Condition:
+    """The condition of GPU ``index`` in ``reading``. ``seen``: the device answered before
+    (so its absence now is a loss, not a machine without NVML); ``last_uncorrected``: its
+    uncorrected ECC count in the previous reading."""
+    if not reading["available"]:
+        return Condition(fault=f"GPU {index} lost: {reading['reason']}") if seen else Condition()
+    device = next((d for d in reading["devices"] if d["index"] == index), None)
+    if device is None:
+        return Condition(fault=f"GPU {index} lost: NVML sees {len(reading['devices'])} GPUs")
+    if device.get("error"):
+        return Condition(fault=f"GPU {index} lost: {device['error']}")
+    fault = None
+    uncorrected = _uncorrected(device)
+    if uncorrected is not None and last_uncorrected is not None and uncorrected > last_uncorrected:
+        fault = f"GPU {index} uncorrected ECC errors grew from {last_uncorrected} to {uncorrected}"
+    slow = []
+    temperature = device["temperature_c"]
+    if temperature is not None and temperature >= max_temp_c:
+        slow.append(f"GPU {index} temperature {temperature} C >= {max_temp_c:g} C")
+    mask = device["throttle"]["mask"]
+    if mask is not None and mask & HARDWARE_SLOWDOWN_MASK:
+        held = [
+            name for bit, name in THROTTLE_REASONS.items() if mask & bit & HARDWARE_SLOWDOWN_MASK
+        ]
+        slow.append(f"GPU {index} clocks held back: {', '.join(held)}")
+    pcie, busy = device["pcie"], device["utilization_gpu_pct"]
+    if pcie["below_max"] and busy is not None and busy >= BUSY_PCT:
+        slow.append(
+            f"GPU {index} PCIe link gen {pcie['gen']} x{pcie['width']} below gen "
+            f"{pcie['max_gen']} x{pcie['max_width']} while {busy}% busy"
+        )
+    return Condition(fault=fault, slow="; ".join(slow) or None)
+
+
+def gpu_index(device: str, visible: str | None = None) -> int | None:
+    """The NVML index of the engine's device (``cuda``, ``cuda:N``, ``cuda:N (name)``), or None
+    for a device that is no GPU. ``visible``: CUDA_VISIBLE_DEVICES, when it lists indices
+    (CUDA numbers the visible devices from 0). Assumes CUDA_DEVICE_ORDER=PCI_BUS_ID or one GPU
+    per engine process (NVML numbers by PCI bus)."""
+    found = re.match(r"cuda(?::(\d+))?\b", device)
+    if found is None:
+        return None
+    cuda = int(found.group(1) or 0)
+    listed = [part.strip() for part in (visible or "").split(",") if part.strip()]
+    if listed and all(part.isdigit() for part in listed) and cuda < len(listed):
+        return int(listed[cuda])
+    return cuda
+
+
+class GpuCheck:
+    """The engine's ``watch``: reads NVML and judges the engine's GPU (``judge``). None (the
+    watch stops) when the engine runs on no GPU; the device is asked for on the first call,
+    after the engine loaded (``auto`` resolves then)."""
+
+    def __init__(
+        self,
+        device: Callable[[], str],
+        *,
+        max_temp_c: float,
+        monitor: GpuMonitor | None = None,
+        visible: str | None = None,
+    ) -> None:
+        self._device = device
+        self.max_temp_c = max_temp_c
+        self._monitor = monitor or GpuMonitor(min_interval_s=0.0)
+        self._visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+        self._seen = False
+        self._uncorrected: int | None = None
+
+    def __call__(self) -> Condition | None:
+        index = gpu_index(self._device(), self._visible)
+        if index is None:
+            return None
+        reading = self._monitor.read()
+        condition = judge(
+            reading,
+            index,
+            max_temp_c=self.max_temp_c,
+            seen=self._seen,
+            last_uncorrected=self._uncorrected,
+        )
+        for device in reading.get("devices", ()):
+            if device["index"] == index and not device.get("error"):
+                self._seen = True
+                count = _uncorrected(device)
+                if count is not None:  # the highest seen: a growth trips once per growth
+                    self._uncorrected = max(count, self._uncorrected or 0)
+        return condition
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m proxy.gpu_health")
+    parser.add_argument("--judge", action="store_true", help="add each GPU's condition")
+    parser.add_argument("--max-temp-c", type=float, default=83.0)
+    args = parser.parse_args(argv)
+    reading = GpuMonitor(min_interval_s=0.0).read()
+    if args.judge:
+        conditions = {}
+        for device in reading.get("devices", ()):
+            condition = judge(reading, device["index"], max_temp_c=args.max_temp_c, seen=True)
+            conditions[str(device["index"])] = {"fault": condition.fault, "slow": condition.slow}
+        reading = {**reading, "conditions": conditions}
+    print(json.dumps(reading, indent=2))
 
 
 if __name__ == "__main__":

@@ -68,8 +68,13 @@ SCALARS: tuple[tuple[str, str, str, Callable[[Stats], float]], ...] = (
      "Distinct texts being computed now (others coalesce on them).",
      lambda s: s["cache"]["in_flight"]),
     ("fleetcache_engine_healthy", "gauge",
-     "1 while the primary engine serves misses (no failed batch, batch p99 in limit).",
+     "1 unless the primary engine is tripped (a failed batch, batch p99 over its limit, a GPU "
+     "hard fault: lost device, uncorrected ECC errors growing).",
      lambda s: float(s["inference"]["healthy"])),
+    ("fleetcache_engine_degraded", "gauge",
+     "1 while a soft reading of the engine's GPU holds (hot, clocks held back, PCIe link "
+     "below its maximum while busy): misses go to the fallback, or the primary still serves.",
+     lambda s: float(s["inference"]["engine_health"]["degraded"])),
     ("fleetcache_ready", "gauge", "1 when /readyz answers 200.", lambda s: float(s["ready"])),
     ("fleetcache_fleet_drivers", "gauge", "Drivers in the fleet index.",
      lambda s: s["fleet"]["drivers"]),

@@ -48,6 +48,14 @@ class Settings(BaseSettings):
     )
     fallback_device: str = "cpu"
     max_batch_p99_ms: float | None = Field(None, gt=0.0, description="none: no latency limit")
+    # GPU health (API.md v1.1, "GPU health acts"; proxy.gpu_health): NVML readings of the
+    # engine's GPU trip it (hard faults) or degrade it (soft readings)
+    gpu_health_interval_s: float = Field(
+        5.0, ge=0.0, le=3600.0, description="seconds between readings of the engine's GPU; 0: off"
+    )
+    gpu_max_temp_c: float = Field(
+        83.0, gt=0.0, le=150.0, description="a GPU at or over this temperature is degraded"
+    )
     # cache
     store: StoreKind = "lmdb"
     redis_url: str = "redis://127.0.0.1:6379/0"

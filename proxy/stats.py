@@ -98,6 +98,7 @@ def inference_section(
         "healthy": health.healthy,
         "engine_health": {
             "healthy": health.healthy,
+            "degraded": health.degraded,  # a soft GPU reading holds (reason says which)
             "reason": health.reason,
             "serving": health.serving,
         },

@@ -181,7 +181,12 @@ def test_http_primary_failure_without_fallback(tmp_path: Path) -> None:
     engine = FallbackEngine(primary, backoff_s=0.05, max_backoff_s=0.1)
     with open_client(make_settings(tmp_path), engine) as client:
         wait_ready(client)
-        assert engine_health(client) == {"healthy": True, "reason": None, "serving": "primary"}
+        assert engine_health(client) == {
+            "healthy": True,
+            "degraded": False,
+            "reason": None,
+            "serving": "primary",
+        }
         assert embed_status(client, ["cached"]) == 200
         primary.broken = True
         failed = client.post("/v1/embeddings", json={"input": ["new-1"]})
