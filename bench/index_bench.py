@@ -6,7 +6,9 @@ centres) gets one random unit vector *per driver* (gaussian, normalised; no mode
 - upsert throughput: the fleet in batches of 10,000, drivers/s per batch;
 - position updates in process: ``update_driver(id, position=...)`` one call at a time, and the
   batched ``update_positions(ids, lats, lngs)`` in batches of 10,000; each move is a jitter of
-  at most ~100 m around the driver's position (a few cross a grid cell edge);
+  at most ~100 m around the driver's position (a few cross a grid cell edge); and bulk
+  positions with times, ``move(ids, lats, lngs, ts_us)`` in batches of 1,000 (the size of a
+  ``PATCH /v1/fleet/positions`` request), times jittered by +-5 s so that some rows are stale;
 - ``recommend`` at radius 3, 5 and 10 km, k=10, pickups at the positions of random drivers
   (so as dense as the fleet is), the order embedding precomputed ("cached"); half the orders
   carry a constraint and a cargo;
@@ -50,15 +52,17 @@ import numpy as np
 
 from features.models import Cargo, LatLng, Order, Position
 from features.synthetic import iter_fleet
-from indexes import FleetTable
+from indexes import FleetTable, timestamp_us
 
 BATCH = 10_000
+MOVE_BATCH = 1_000
 RADII = (3.0, 5.0, 10.0)
 # The targets at 1,000,000 drivers: (metric, target, True when higher is better).
 TARGETS = (
     *((f"recommend r={r:g}km p50/p99 ms", 10.0, False) for r in RADII),
     *((f"recommend after load r={r:g}km p50/p99 ms", 10.0, False) for r in RADII),
     ("update_positions/s p50", 100_000.0, True),
+    ("move/s p50 (1,000 a batch)", 500_000.0, True),
     ("load s (median)", 10.0, False),
 )
 
@@ -142,6 +146,19 @@ def bench_size(n: int, dim: int, runs: int, seed: int) -> dict[str, str]:
             table.update_positions(batch_ids, lats, lngs)
             per_s.append(BATCH / (time.perf_counter() - t))
         out["update_positions/s p50"] = f"{statistics.median(per_s):,.0f}"
+
+    per_s = []
+    now = timestamp_us(datetime.datetime.now(datetime.UTC))
+    for i in range(runs * 50):
+        pick = rng.integers(n, size=MOVE_BATCH)
+        lats = np.clip(lat0[pick] + rng.uniform(-9e-4, 9e-4, MOVE_BATCH), -90, 90)
+        lngs = np.clip(lng0[pick] + rng.uniform(-9e-4, 9e-4, MOVE_BATCH), -180, 180)
+        ts = now + i * 1_000_000 + rng.integers(-5_000_000, 5_000_000, MOVE_BATCH)
+        batch_ids = [ids[i] for i in pick.tolist()]
+        t = time.perf_counter()
+        table.move(batch_ids, lats, lngs, ts)
+        per_s.append(MOVE_BATCH / (time.perf_counter() - t))
+    out["move/s p50 (1,000 a batch)"] = f"{statistics.median(per_s):,.0f}"
 
     per_s = []
     for _ in range(runs):

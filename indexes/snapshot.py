@@ -1,22 +1,25 @@
 """Crash-safe snapshots of the fleet index in a directory.
 
-Layout (``dir`` is what ``FleetTable.save`` is given), format 2::
+Layout (``dir`` is what ``FleetTable.save`` is given), format 3::
 
     dir/CURRENT                      name of the live snapshot, e.g. "snapshot-00000007"
     dir/snapshot-00000007/
         vectors.npy                  float32 (count, dim): row i is driver i's unit vector
-        columns.npz                  per-driver columns (``Columns``, ts aside) plus offsets
-                                     (count + 1 byte offsets into records.bin)
+        columns.npz                  per-driver columns (``Columns``, the int64 ``ts`` of
+                                     every row included) plus offsets (count + 1 byte
+                                     offsets into records.bin)
         records.bin                  the drivers' record JSON, back to back
-        ids.json                     {"driver_ids", "vehicle_ids", "ts": {row: ISO time}}
-        meta.json                    {"format": 2, "dim", "next_id", "count", "statuses",
+        ids.json                     {"driver_ids", "vehicle_ids"}
+        meta.json                    {"format": 3, "dim", "next_id", "count", "statuses",
                                       "constraints", "seq"} (the names behind status codes
                                      and constraint bits; the number of the last change
                                      held, ``FleetTable.seq``: 0 when written before it was)
 
 Loading reads arrays and one blob: no record is parsed (the store parses a record when it is
-read). Format 1 (``index.faiss`` of an IndexIDMap2, ``records.jsonl``, ``faiss_ids`` in
-meta.json) still loads, parsing every record; any other format is a ``SnapshotError``.
+read). Older formats still load: format 2 (the same, but ``ts`` only for moved rows, as ISO
+times under ``"ts"`` in ids.json: the others' times are read from their record JSON) and
+format 1 (``index.faiss`` of an IndexIDMap2, ``records.jsonl``, ``faiss_ids`` in meta.json;
+every record parsed). Any other format is a ``SnapshotError``.
 
 A save writes a complete new ``snapshot-N`` directory (every file fsynced), then points
 ``CURRENT`` at it with ``os.replace`` (atomic), then removes older snapshot directories. A crash
@@ -44,10 +47,17 @@ import numpy.typing as npt
 from pydantic import ValidationError
 
 from features.models import DriverRecord, Status
-from indexes.columns import Columns
+from indexes.columns import (
+    MAX_TS_US,
+    MIN_TS_US,
+    NO_TS,
+    Columns,
+    timestamp_us,
+    timestamps_of_json,
+)
 from indexes.errors import SnapshotError
 
-FORMAT = 2
+FORMAT = 3
 CURRENT = "CURRENT"
 PREFIX = "snapshot-"
 VECTORS_FILE = "vectors.npy"
@@ -112,13 +122,13 @@ def read(root: Path) -> Snapshot | None:
     try:
         meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
         fmt = meta.get("format")
-        if fmt == FORMAT:
+        if fmt in (2, FORMAT):
             snap = _read_v2(path, meta)
         elif fmt == 1:
             snap = _read_v1(path, meta)
         else:
             raise SnapshotError(
-                f"{path}: unknown snapshot format {fmt!r} (this version reads formats 1 and 2)"
+                f"{path}: unknown snapshot format {fmt!r} (this version reads formats 1 to 3)"
             )
     except SnapshotError:
         raise
@@ -128,23 +138,17 @@ def read(root: Path) -> Snapshot | None:
     return snap
 
 
-# -- format 2 ---------------------------------------------------------------------------------
+# -- formats 3 and 2 -------------------------------------------------------------------------
 
 
 def _write_files(target: Path, snap: Snapshot) -> None:
     _write_with(target / VECTORS_FILE, lambda fh: np.save(fh, snap.vectors))
     lengths = np.fromiter((len(r) for r in snap.records), dtype=np.int64, count=len(snap.records))
     offsets = np.concatenate([[0], np.cumsum(lengths)])
-    cols = {k: v for k, v in snap.columns.arrays().items() if k != "ts"}
-    cols["offsets"] = offsets
+    cols = {**snap.columns.arrays(), "offsets": offsets}
     _write_with(target / COLUMNS_FILE, lambda fh: np.savez(fh, allow_pickle=False, **cols))
     _write_durably(target / RECORDS_FILE, b"".join(snap.records))
-    moved_ts = {
-        str(row): ts.isoformat()
-        for row in np.flatnonzero(snap.columns.moved).tolist()
-        if (ts := snap.columns.ts[row]) is not None
-    }
-    ids = {"driver_ids": snap.driver_ids, "vehicle_ids": snap.vehicle_ids, "ts": moved_ts}
+    ids = {"driver_ids": snap.driver_ids, "vehicle_ids": snap.vehicle_ids}
     _write_durably(target / IDS_FILE, json.dumps(ids).encode())
     meta = {
         "format": FORMAT,
@@ -170,13 +174,6 @@ def _read_v2(path: Path, meta: dict[str, Any]) -> Snapshot:
         arrays = {name: npz[name] for name in npz.files}
     offsets = arrays.pop("offsets")
     ids = json.loads((path / IDS_FILE).read_bytes())
-    ts = np.full(count, None, dtype=object)
-    for row, iso in ids["ts"].items():
-        ts[int(row)] = datetime.fromisoformat(iso)
-    columns = Columns(ts=ts, **arrays)
-    for name, a in columns.arrays().items():
-        if len(a) != count:
-            raise SnapshotError(f"{path}: column {name} has {len(a)} rows, expected {count}")
     blob = (path / RECORDS_FILE).read_bytes()
     if len(offsets) != count + 1 or offsets[0] != 0 or offsets[-1] != len(blob):
         raise SnapshotError(
@@ -187,6 +184,12 @@ def _read_v2(path: Path, meta: dict[str, Any]) -> Snapshot:
     bounds = offsets.tolist()
     with _gc_paused():
         records = [blob[a:b] for a, b in itertools.pairwise(bounds)]
+    if meta["format"] == 2:
+        arrays["ts"] = _format_2_ts(ids["ts"], arrays["moved"], records)
+    columns = Columns(**arrays)
+    for name, a in columns.arrays().items():
+        if len(a) != count:
+            raise SnapshotError(f"{path}: column {name} has {len(a)} rows, expected {count}")
     return Snapshot(
         dim=dim,
         next_id=int(meta["next_id"]),
@@ -199,6 +202,19 @@ def _read_v2(path: Path, meta: dict[str, Any]) -> Snapshot:
         constraints=tuple(meta["constraints"]),
         seq=int(meta.get("seq", 0)),
     )
+
+
+def _format_2_ts(
+    moved_ts: dict[str, str], moved: npt.NDArray[np.bool_], records: list[bytes]
+) -> npt.NDArray[np.int64]:
+    """The ``ts`` column of a format 2 snapshot: moved rows' times were saved as ISO times
+    (none saved: no time), the others' are in their record JSON."""
+    ts = np.full(len(records), NO_TS, dtype=np.int64)
+    still = np.flatnonzero(~moved[: len(records)])
+    ts[still] = timestamps_of_json([records[i] for i in still.tolist()])
+    for row, iso in moved_ts.items():
+        ts[int(row)] = timestamp_us(datetime.fromisoformat(iso))
+    return ts
 
 
 # -- format 1 (read only) ---------------------------------------------------------------------
@@ -226,7 +242,7 @@ def _read_v1(path: Path, meta: dict[str, Any]) -> Snapshot:
     bits = np.zeros(len(records), dtype=np.uint64)  # no vocabulary below: the store computes
     code = {s: i for i, s in enumerate(statuses)}
     fields = Columns.fields_of(records, bits, code)
-    columns.put(np.arange(len(records)), np.asarray(fids, dtype=np.int64), fields)
+    columns.put(np.arange(len(records)), np.asarray(fids, dtype=np.int64), fields, lines)
     return Snapshot(
         dim=int(meta["dim"]),
         next_id=int(meta["next_id"]),
@@ -257,6 +273,9 @@ def _check(path: Path, snap: Snapshot) -> None:
     lat, lng = snap.columns.lat, snap.columns.lng
     if not ((lat >= -90.0) & (lat <= 90.0) & (lng >= -180.0) & (lng <= 180.0)).all():
         raise SnapshotError(f"{path}: positions out of range")
+    ts = snap.columns.ts
+    if ((ts != NO_TS) & ((ts < MIN_TS_US) | (ts > MAX_TS_US))).any():
+        raise SnapshotError(f"{path}: position times out of range")
 
 
 @contextlib.contextmanager

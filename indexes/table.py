@@ -11,9 +11,11 @@ Records are kept as the JSON bytes they were upserted with and parsed only when 
 (``get_driver``, ``records``, ``search``); what ``recommend`` needs lives in columns: status
 code, position, cargo limits, one bit per named constraint, driver and vehicle id. The
 ``GeoGrid`` holds the *available* drivers only (the only ones ``recommend`` looks at): a status
-change inserts or removes the driver there. ``update_driver`` and the batched
-``update_positions`` change the columns and the grid, never the vectors nor the JSON: a record
-read later gets its live status and position laid over the stored JSON (``_record``).
+change inserts or removes the driver there. ``update_driver``, the batched
+``update_positions`` and ``move`` (bulk positions with times: a row older than the driver's
+stored time, the ``ts`` column, is stale and ignored) change the columns and the grid, never
+the vectors nor the JSON: a record read later gets its live status and position laid over the
+stored JSON (``_record``).
 
 ``recommend`` gathers the slots the grid finds near the pickup (exact haversine), then
 ``indexes.ranking`` filters them by constraint bits and cargo and ranks them, reading the rows
@@ -51,7 +53,7 @@ import numpy.typing as npt
 from features.constraints import CONSTRAINTS, Predicate, check_constraints
 from features.models import DriverRecord, Order, Position, Status
 from indexes import gpu, ranking, snapshot
-from indexes.columns import Columns
+from indexes.columns import MAX_TS_US, MIN_TS_US, Columns, datetime_of, timestamp_us
 from indexes.errors import FleetIndexError, SnapshotError, VectorError
 from indexes.geo import GeoGrid
 from indexes.quantized import QuantizedRows
@@ -118,6 +120,16 @@ class Prepared:
             fields={name: values[rows] for name, values in self.fields.items()},
             rows=rows,
         )
+
+
+@dataclass(frozen=True)
+class Moved:
+    """What ``FleetTable.move`` did: per input row whether it was applied, how many known
+    rows were stale, and the unknown driver ids (each once, in input order)."""
+
+    applied: npt.NDArray[np.bool_]
+    stale: int
+    unknown: list[str]
 
 
 class FleetTable:
@@ -260,7 +272,7 @@ class FleetTable:
             fids = np.arange(self._next_id, self._next_id + len(ids), dtype=np.int64)
             self._next_id += len(ids)
             cols = self._cols = self._cols.grown(n)
-            cols.put(slots, fids, fields)
+            cols.put(slots, fids, fields, blobs)
             self._quant.grow(n)
             self._quant.put(slots, vecs)
             self._sync_grid(slots)
@@ -281,10 +293,13 @@ class FleetTable:
             cols = self._cols
             changes: dict[str, Any] = {}
             if position is not None:
-                changes["position"] = position
                 cols.lat[slot], cols.lng[slot] = position.lat, position.lng
                 cols.moved[slot] = True
-                cols.ts[slot] = position.ts
+                cols.ts[slot] = timestamp_us(position.ts)
+                # As ``_record`` will read it back: the time in UTC.
+                changes["position"] = Position.model_construct(
+                    lat=position.lat, lng=position.lng, ts=datetime_of(cols.ts[slot])
+                )
             if status is not None:
                 changes["status"] = status
             if not changes:
@@ -335,8 +350,69 @@ class FleetTable:
             cols.lat[slots] = la  # numpy assigns in order: for a repeated id the last stays
             cols.lng[slots] = ln
             cols.moved[slots] = True
-            cols.ts[slots] = ts
+            cols.ts[slots] = timestamp_us(ts)
             self._sync_grid(np.unique(slots))
+
+    def move(
+        self,
+        driver_ids: Sequence[str],
+        lats: npt.ArrayLike,
+        lngs: npt.ArrayLike,
+        ts_us: npt.NDArray[np.int64],
+        statuses: Sequence[str | None] | None = None,
+    ) -> Moved:
+        """Bulk positions with their times (API.md, ``PATCH /v1/fleet/positions``).
+
+        Row i moves ``driver_ids[i]`` to (lats[i], lngs[i]) at time ``ts_us[i]``
+        (microseconds since the Unix epoch, UTC: ``timestamp_us``) and, when
+        ``statuses[i]`` is not None, sets its status as ``update_driver`` does. A row older
+        than the driver's stored time is stale and ignored (an equal time applies; a driver
+        without a time accepts any); of several rows for one driver the newest applies (on
+        equal times the last) and the others are stale. Unknown drivers are skipped.
+
+        Everything is validated first: a bad position, time or status is a ValueError naming
+        the row, and nothing changes. Vectorised: without statuses only columns and grid
+        cells change, with no Python work per row unless a driver changes cell. Rows are
+        applied in a fixed order, so the same call on equal tables leaves equal tables.
+        """
+        ids = list(driver_ids)
+        la, ln, ts, codes = _checked_moves(ids, lats, lngs, ts_us, statuses)
+        with self._lock:
+            slot_of = self._slot_of
+            slots = np.fromiter((slot_of.get(d, -1) for d in ids), dtype=np.int64, count=len(ids))
+            known = np.flatnonzero(slots >= 0)
+            unknown = list(dict.fromkeys(ids[i] for i in np.flatnonzero(slots < 0).tolist()))
+            # Group rows by driver, each group by (time, row): its last row is the newest.
+            by_driver = known[np.lexsort((known, ts[known], slots[known]))]
+            last = np.ones(by_driver.size, dtype=bool)
+            last[:-1] = slots[by_driver[1:]] != slots[by_driver[:-1]]
+            newest = by_driver[last]
+            cols = self._cols
+            win = newest[ts[newest] >= cols.ts[slots[newest]]]
+            applied = np.zeros(len(ids), dtype=bool)
+            applied[win] = True
+            stale = int(known.size - win.size)
+            if win.size:
+                moved = slots[win]
+                cols.lat[moved] = la[win]
+                cols.lng[moved] = ln[win]
+                cols.ts[moved] = ts[win]
+                cols.moved[moved] = True
+                if codes is not None:
+                    self._set_statuses(moved, codes[win])
+                self._sync_grid(moved)
+            return Moved(applied, stale, unknown)
+
+    def _set_statuses(self, slots: Slots, codes: npt.NDArray[np.int8]) -> None:
+        """Status codes of distinct slots (-1: leave it), constraint bits recomputed as
+        ``update_driver`` does; the caller syncs the grid."""
+        change = codes >= 0
+        if not change.any():
+            return
+        slots = slots[change]
+        self._cols.status[slots] = codes[change]
+        records = [self._record(s) for s in slots.tolist()]
+        self._cols.cbits[slots] = self._constraint_bits(records)
 
     def delete_driver(self, driver_id: str) -> bool:
         with self._lock:
@@ -593,9 +669,9 @@ class FleetTable:
         if record.status != status:
             changes["status"] = status
         if cols.moved[slot]:
-            # model_construct: the values were validated by update_driver/update_positions.
+            # model_construct: the values were validated by update_driver/_positions, move.
             changes["position"] = Position.model_construct(
-                lat=float(cols.lat[slot]), lng=float(cols.lng[slot]), ts=cols.ts[slot]
+                lat=float(cols.lat[slot]), lng=float(cols.lng[slot]), ts=datetime_of(cols.ts[slot])
             )
         return record.model_copy(update=changes) if changes else record
 
@@ -683,6 +759,59 @@ class FleetTable:
         if where is not None:
             slots = [s for s in slots if where(self._record(s))]
         return slots
+
+
+def _checked_moves(
+    ids: list[str],
+    lats: npt.ArrayLike,
+    lngs: npt.ArrayLike,
+    ts_us: npt.ArrayLike,
+    statuses: Sequence[str | None] | None,
+) -> tuple[
+    npt.NDArray[np.float64],
+    npt.NDArray[np.float64],
+    npt.NDArray[np.int64],
+    npt.NDArray[np.int8] | None,
+]:
+    """``move``'s arguments as arrays (status codes, -1 for None), or a ValueError naming
+    the first bad row."""
+    la = np.asarray(lats, dtype=np.float64)
+    ln = np.asarray(lngs, dtype=np.float64)
+    ts = np.asarray(ts_us)
+    n = len(ids)
+    if not (la.shape == ln.shape == ts.shape == (n,)) or (
+        statuses is not None and len(statuses) != n
+    ):
+        lengths = f"lats {la.shape}, lngs {ln.shape}, ts_us {ts.shape}"
+        raise ValueError(
+            f"{n} driver ids but {lengths}"
+            + ("" if statuses is None else f", {len(statuses)} statuses")
+        )
+    if n and ts.dtype.kind not in "iu":
+        raise ValueError(f"ts_us must be integer microseconds, got {ts.dtype}")
+    bad = ~((la >= -90.0) & (la <= 90.0) & (ln >= -180.0) & (ln <= 180.0))
+    if bad.any():
+        row = int(np.argmax(bad))
+        raise ValueError(
+            f"row {row}: position out of range (or not finite): lat={la[row]!r}, lng={ln[row]!r}"
+        )
+    bad = (ts < MIN_TS_US) | (ts > MAX_TS_US)
+    if bad.any():
+        row = int(np.argmax(bad))
+        raise ValueError(f"row {row}: ts_us {int(ts[row])} is outside the years 1 to 9999")
+    ts = ts.astype(np.int64)
+    if statuses is None:
+        return la, ln, ts, None
+    codes = np.full(n, -1, dtype=np.int8)
+    for row, status in enumerate(statuses):
+        if status is not None:
+            code = _STATUS_CODE.get(status)
+            if code is None:
+                raise ValueError(
+                    f"row {row}: status must be one of {', '.join(_STATUS_CODE)}, got {status!r}"
+                )
+            codes[row] = code
+    return la, ln, ts, codes
 
 
 def _status_codes(names: Sequence[str]) -> npt.NDArray[np.int8]:

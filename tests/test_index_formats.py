@@ -57,7 +57,7 @@ def write_format_1(root: Path, table: FleetTable) -> None:
     (root / "CURRENT").write_text("snapshot-00000003\n")
 
 
-def test_a_format_1_snapshot_still_loads_and_is_saved_as_format_2(tmp_path: Path) -> None:
+def test_a_format_1_snapshot_still_loads_and_is_saved_as_format_3(tmp_path: Path) -> None:
     table, orders_, q = _populated(200)
     table.update_driver("D001", status="busy")
     write_format_1(tmp_path, table)
@@ -69,7 +69,7 @@ def test_a_format_1_snapshot_still_loads_and_is_saved_as_format_2(tmp_path: Path
     assert sorted(faiss_ids(loaded)) == sorted(faiss_ids(table))
     loaded.save(tmp_path)
     live = tmp_path / (tmp_path / "CURRENT").read_text().strip()
-    assert json.loads((live / "meta.json").read_text())["format"] == FORMAT == 2
+    assert json.loads((live / "meta.json").read_text())["format"] == FORMAT == 3
     again = FleetTable.load(tmp_path, DIM)
     assert _answers(again, orders_, q) == _answers(table, orders_, q)
 
@@ -79,9 +79,9 @@ def test_an_unknown_format_is_refused_by_name(tmp_path: Path) -> None:
     table.save(tmp_path)
     live = tmp_path / (tmp_path / "CURRENT").read_text().strip()
     meta = json.loads((live / "meta.json").read_text())
-    meta["format"] = 3
+    meta["format"] = 4
     (live / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(SnapshotError, match="unknown snapshot format 3"):
+    with pytest.raises(SnapshotError, match="unknown snapshot format 4"):
         FleetTable.load(tmp_path, DIM)
 
 
