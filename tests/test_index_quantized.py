@@ -24,6 +24,7 @@ from tests.test_index import (
     off_the_circle,
     order,
     quantized_unit,
+    scorer,
 )
 
 Fleet = dict[str, tuple[DriverRecord, np.ndarray]]
@@ -143,4 +144,6 @@ def test_the_first_pass_never_changes_an_answer(data: st.DataObject) -> None:
             mp.undo()
             if kind != "near-ties":  # see test_a_dense_fleet_of_near_ties_...
                 considered, expected = brute_force(fleet, o, q, off_the_circle)
-                assert_recommendation(want, considered, expected, o.k, sim_tol=1e-5)
+                assert_recommendation(
+                    want, considered, expected, o.k, sim_tol=1e-5, score=scorer(table, q)
+                )
