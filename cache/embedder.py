@@ -174,6 +174,7 @@ class _VectorStore(EncoderBackedStore[str, Any]):
         per_item_ms: Callable[[], float],
         write_to: VectorWriter | None,
         on_lookup: Callable[[float], None] | None = None,
+        on_hits: Callable[[list[str]], None] | None = None,
     ) -> None:
         super().__init__(store, writer.key, writer.encode_one, deserializer)
         self._errors = errors
@@ -181,6 +182,7 @@ class _VectorStore(EncoderBackedStore[str, Any]):
         self._per_item_ms = per_item_ms
         self._write_to = write_to
         self._on_lookup = on_lookup
+        self._on_hits = on_hits
 
     async def amget(self, keys: Sequence[str]) -> list[Any]:
         call = _CALL.get()
@@ -202,6 +204,8 @@ class _VectorStore(EncoderBackedStore[str, Any]):
             hits = len(keys) - len(call.missing)
             if hits:  # counted at the lookup: a call that fails later still found these
                 self._stats.record(call.caller, hits, 0, 0, self._per_item_ms())
+                if self._on_hits is not None:
+                    self._on_hits([t for t, v in zip(keys, values, strict=True) if v is not None])
         return values
 
     async def amset(self, key_value_pairs: Sequence[tuple[str, Any]]) -> None:
@@ -263,7 +267,8 @@ class CachedEmbedder(_AsyncEmbeddings):
     fingerprint); keys are ``f"{namespace}:{blake2b-256(text).hexdigest()}"``. Values are
     ``cache.codec`` entries in ``dtype`` (float16 halves the bytes; hits then return the
     float16-rounded values widened to float32). ``on_lookup(seconds)``, when given, is called
-    once per call with the time its tier lookup took (the proxy's ``cache_lookup`` stage).
+    once per call with the time its tier lookup took (the proxy's ``cache_lookup`` stage);
+    ``on_hits(texts)`` with the texts each lookup found (the drift check's reservoir).
 
     Statistics, shaped for ``/v1/stats``:
 
@@ -297,6 +302,7 @@ class CachedEmbedder(_AsyncEmbeddings):
         wall_clock: Callable[[], float] = time.time,
         on_lookup: Callable[[float], None] | None = None,
         stats: CacheStats | None = None,
+        on_hits: Callable[[list[str]], None] | None = None,
     ) -> None:
         if dim <= 0:
             raise ValueError(f"dim must be positive, got {dim}")
@@ -341,6 +347,7 @@ class CachedEmbedder(_AsyncEmbeddings):
             per_item_ms,
             write_to,
             on_lookup,
+            on_hits,
         )
         # batch_size=None: all misses of a call in one underlying call, one write-back.
         self._cbe = CacheBackedEmbeddings(
@@ -462,6 +469,17 @@ class CachedEmbedder(_AsyncEmbeddings):
         except Exception as exc:
             self._errors.record("contains", exc)
             return [False] * len(keys)
+
+    async def stored(self, texts: Sequence[str]) -> list[Row | None]:
+        """The vector each text has in the cache now (None: none, expired or unreadable);
+        counts no lookup (the drift check compares these with fresh ones)."""
+        keys = [self.key(t) for t in texts]
+        try:
+            raw = await self._store.amget(keys)
+        except Exception as exc:
+            self._errors.record("stored", exc)
+            return [None] * len(keys)
+        return [None if v is None else self._decode(v) for v in raw]
 
     # -- statistics ----------------------------------------------------------------------
 

@@ -114,6 +114,7 @@ class _Request:
     """One submission: its texts, the rows filled so far and the future its caller awaits."""
 
     __slots__ = (
+        "counted",
         "deadline",
         "filled",
         "future",
@@ -134,10 +135,12 @@ class _Request:
         lane: str,
         deadline: float | None,
         tag: str,
+        counted: bool = True,
     ) -> None:
         self.texts = texts
         self.lane = lane
         self.tag = tag
+        self.counted = counted
         self.future = future
         self.deadline = deadline  # time.monotonic() after which queued items are dropped
         self.submitted = time.monotonic()
@@ -203,6 +206,7 @@ class Batcher:
         self._tokenizer: ThreadPoolExecutor | None = None
         self._closed = False
         self._items = 0
+        self._uncounted_items = 0
         self._batches = 0
         self._failed_batches = 0
         self._ok_items = 0
@@ -293,11 +297,14 @@ class Batcher:
         lane: str = "dispatch",
         deadline: float | None = None,
         tag: str = "",
+        counted: bool = True,
     ) -> Vectors:
         """The ``(len(texts), dim)`` float32 vectors of ``texts``, in input order.
 
         ``deadline`` is a ``time.monotonic()`` instant (None: wait as long as it takes; see
         ``deadline_after``); ``tag`` is handed to ``on_sent`` (the caller, for counting).
+        ``counted=False``: no lookup's misses (a drift check's re-embeds): their texts count
+        in ``uncounted_items``, not in ``items``, and are never handed to ``on_sent``.
         Raises ``QueueFullError`` at once (nothing queued) when the queue cannot take all of
         ``texts``; ``DeadlineExceededError`` when the deadline passes before all of
         ``texts`` reached the engine; ``EngineUnavailableError`` at once while the engine's
@@ -326,7 +333,9 @@ class Batcher:
                 f"would exceed max_queue={self.max_queue}"
             )
         loop = asyncio.get_running_loop()
-        request = _Request(list(texts), loop.create_future(), self.engine.dim, lane, deadline, tag)
+        request = _Request(
+            list(texts), loop.create_future(), self.engine.dim, lane, deadline, tag, counted
+        )
         self._lanes[lane].append(request)
         self._queued += len(texts)
         self._lane_waiting[lane] += len(texts)
@@ -341,9 +350,10 @@ class Batcher:
             if timer is not None:
                 timer.cancel()
 
-    def totals(self) -> tuple[int, int, int, int, int, float]:
-        """``(items, batches, failed_batches, expired_items, ok_items, engine_ms)``: the
-        counters of ``stats()`` without its percentiles (cheap enough to read every batch)."""
+    def totals(self) -> tuple[int, int, int, int, int, float, int]:
+        """``(items, batches, failed_batches, expired_items, ok_items, engine_ms,
+        uncounted_items)``: the counters of ``stats()`` without its percentiles (cheap enough
+        to read every batch)."""
         return (
             self._items,
             self._batches,
@@ -351,6 +361,7 @@ class Batcher:
             self._expired_items,
             self._ok_items,
             self._engine_ms,
+            self._uncounted_items,
         )
 
     def stats(self) -> InferenceStats:
@@ -484,12 +495,15 @@ class Batcher:
             return
         texts = self._texts(batch)
         self._in_flight = [request for request, _, _ in batch]
-        self._items += len(texts)
         self._batches += 1
         for request, start, stop in batch:
             request.sent += stop - start
             self._observe_wait(request.lane, now - request.submitted)
-            self._notify(self.on_sent, request.tag, stop - start)
+            if request.counted:
+                self._items += stop - start
+                self._notify(self.on_sent, request.tag, stop - start)
+            else:
+                self._uncounted_items += stop - start
         try:
             vectors, durations = await self._forward(texts, tokens)
         except BatchError as exc:

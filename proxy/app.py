@@ -28,6 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from engines.base import Engine
 from proxy.auth import Guard, KeyRing, route_rows
 from proxy.body import BodyError
+from proxy.drift import background_checks
 from proxy.errors import install_error_handlers
 from proxy.jobs import ProcessJobs
 from proxy.processes import load_demo_fleet
@@ -177,7 +178,8 @@ async def run_services(
                 if cluster is None and not services.index.ready:
                     await load_demo_fleet(services, settings.demo_drivers, settings.demo_seed)
                 with frozen_heap() if freeze_gc else contextlib.nullcontext():
-                    await stop.wait()
+                    async with background_checks(services, settings.drift_interval_s):
+                        await stop.wait()
             finally:  # no request may reach services that are being closed
                 app.state.services = None
     except Exception as exc:

@@ -63,6 +63,7 @@ SCOPES: dict[str, frozenset[str]] = {
     "GET /v1/stats": frozenset({"operator"}),
     "DELETE /v1/cache/entities/{kind}/{entity_id}": ADMIN,
     "GET /healthz": OPEN,
+    "POST /v1/cache/drift": ADMIN,
     "GET /readyz": OPEN,
     "GET /dashboard": OPEN,
     METRICS: OPEN,

@@ -176,6 +176,19 @@ class EngineHost:
     def health(self) -> EngineHealth:
         return self.batcher.engine_health()
 
+    async def reembed(self, texts: Sequence[str]) -> Vectors:
+        """Fresh vectors of ``texts`` on the warm-up lane, bypassing the cache and the
+        in-flight map: a drift check's, counted in ``inference.drift_items`` only."""
+        deadline = deadline_after(self._deadlines_ms["warmup"])
+        try:
+            return await self.batcher.submit(texts, "warmup", deadline, counted=False)
+        finally:
+            self.publish()
+
+    async def hit_texts(self, own: Sequence[str]) -> list[str]:
+        """The texts of every worker's hit reservoir: in one process, ``own``."""
+        return list(own)
+
     def per_item_ms(self) -> float:
         return self.batcher.per_item_ms
 
@@ -199,7 +212,10 @@ class EngineHost:
         """Mirror the batcher's totals and the queue onto the board (after every batch and
         every embed: a reader then sees them as of the last change)."""
         board = self.board
-        names = ("items", "batches", "failed_batches", "expired_items", "ok_items", "engine_ms")
+        names = (
+            *("items", "batches", "failed_batches", "expired_items", "ok_items", "engine_ms"),
+            "drift_items",  # the batcher's uncounted items: drift checks' re-embeds
+        )
         for name, value in zip(names, self.batcher.totals(), strict=True):
             board.put(f"inference.{name}", value)
         board.gauge("queue.depth", self.batcher.queued)
@@ -316,13 +332,28 @@ def engine_handlers(host: EngineHost, server: RpcServer) -> dict[str, Handler]:
         )
         return {"coalesced": bytes(flown.coalesced)}, [rows_frame(flown.rows)]
 
+    async def reembed(message: Msg, blobs: Frames) -> Out:
+        return {}, [rows_frame(await host.reembed(message["texts"]))]
+
+    async def hit_texts(message: Msg, blobs: Frames) -> Out:
+        """Every worker's hit reservoir (a worker that does not answer adds nothing)."""
+        answers = await server.call_peers("hits", b"worker-", 5.0)
+        texts = [t for answer in answers.values() if answer for t in answer["texts"]]
+        return {"texts": texts, "workers": len(answers)}, ()
+
     async def invalidate(message: Msg, blobs: Frames) -> Out:
         """Drop keys from every worker's memory tier; answers once each worker has."""
         answers = await server.call_peers("drop", b"worker-", 5.0, keys=message["keys"])
         silent = [peer.decode() for peer, answer in answers.items() if answer is None]
         return {"workers": len(answers), "silent": silent}, ()
 
-    return {"ping": ping, "embed": embed, "invalidate": invalidate}
+    return {
+        "ping": ping,
+        "embed": embed,
+        "invalidate": invalidate,
+        "reembed": reembed,
+        "hit_texts": hit_texts,
+    }
 
 
 class RemoteEngine:
@@ -367,3 +398,12 @@ class RemoteEngine:
     async def invalidate(self, keys: Sequence[str]) -> dict[str, Any]:
         reply, _ = await self.client.call("invalidate", keys=list(keys), timeout_s=10.0)
         return reply
+
+    async def reembed(self, texts: Sequence[str]) -> Vectors:
+        _, frames = await self.client.call("reembed", texts=list(texts), timeout_s=60.0)
+        return frame_rows(frames[0], self.info.dim)
+
+    async def hit_texts(self, own: Sequence[str]) -> list[str]:
+        """Every worker's reservoir, this one's included (the engine process asks each)."""
+        reply, _ = await self.client.call("hit_texts", timeout_s=10.0)
+        return list(reply["texts"])

@@ -49,6 +49,9 @@ SCALARS: tuple[tuple[str, str, str, Callable[[Stats], float]], ...] = (
      lambda s: s["inference"]["batches"]),
     ("fleetcache_engine_failed_batches", "counter", "Batches that failed.",
      lambda s: s["inference"]["failed_batches"]),
+    ("fleetcache_engine_drift_items", "counter",
+     "Texts re-embedded by drift checks (not lookups: not in items).",
+     lambda s: s["inference"]["drift_items"]),
     ("fleetcache_engine_expired_items", "counter",
      "Texts dropped before the engine because their deadline passed.",
      lambda s: s["inference"]["expired_items"]),
@@ -99,6 +102,25 @@ class StatsCollector(Collector):
         info.add_metric([], {k: str(v) for k, v in asdict(self.services.info).items()})
         yield info
         yield from gpu_families(stats["gpu"])
+        yield from drift_families(stats["cache"]["drift"])
+
+
+def drift_families(drift: dict[str, Any] | None) -> Iterator[Family]:
+    """The last drift check (proxy.drift); nothing before the first one that sampled."""
+    if drift is None or drift["min_cosine"] is None:
+        return
+    for name, doc, value in (
+        ("min_cosine", "Lowest cosine of a re-embedded cache hit vs its cached vector, "
+         "last drift check.", drift["min_cosine"]),
+        ("mean_cosine", "Mean of the same cosines.", drift["mean_cosine"]),
+        ("threshold", "FLEETCACHE_DRIFT_THRESHOLD: a cosine below it has drifted.",
+         drift["threshold"]),
+        ("below_threshold", "Sampled hits below the threshold, last drift check.",
+         drift["below_threshold"]),
+        ("sampled", "Cache hits re-embedded by the last drift check.", drift["sampled"]),
+        ("checked_timestamp_seconds", "When the last drift check ran (Unix time).", drift["at"]),
+    ):  # fmt: skip
+        yield GaugeMetricFamily(f"fleetcache_cache_drift_{name}", doc, value=value)
 
 
 def labelled_families(stats: Stats) -> Iterator[Family]:

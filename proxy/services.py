@@ -7,6 +7,7 @@
       index      IndexHost (everything in this process)  | RemoteIndex (the index owner)
       board      this process's counters; boards: every process's, for /v1/stats and /metrics
       latency    request timings, onto the board
+      reservoir  the texts this process's lookups found lately (the drift check samples them)
 
 ``open_local_services``: one process does everything (tests, ``create_app`` with an injected
 engine, the direct-mode warm-up). ``open_worker_services``: an HTTP worker (or a warm-up job
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +31,7 @@ import orjson
 
 from cache import stores
 from cache.embedder import CachedEmbedder, EmbedResult
-from cache.flight import Flight
+from cache.flight import Flight, Vectors
 from cache.links import Entity
 from cache.stores import TieredByteStore
 from engines.base import Engine, EngineInfo
@@ -37,6 +39,7 @@ from engines.batcher import EngineHealth
 from features.models import DriverRecord, Position, Status
 from features.text import driver_text
 from proxy.board import Board, Boards
+from proxy.drift import HitReservoir
 from proxy.engine_host import RemoteEngine, cache_namespace, open_engine_host
 from proxy.index_host import IndexService, RemoteIndex, open_index_host
 from proxy.ipc import RpcClient, address
@@ -59,6 +62,10 @@ class EngineService(Flight, Protocol):
 
     async def invalidate(self, keys: Sequence[str]) -> dict[str, Any]: ...
 
+    async def reembed(self, texts: Sequence[str]) -> Vectors: ...
+
+    async def hit_texts(self, own: Sequence[str]) -> list[str]: ...
+
 
 def lane_for(caller: str) -> str:
     """Warm-up jobs ride the low-priority lane so they never starve dispatch."""
@@ -75,11 +82,13 @@ class Services:
     board: Board
     boards: Boards
     run_dir: Path | None = None  # the server's shared directory (None: one process)
+    reservoir: HitReservoir = field(default_factory=HitReservoir)  # fed by the embedder
     started: float = field(default_factory=time.monotonic)
     latency: RequestLatency = field(init=False)
 
     def __post_init__(self) -> None:
         self.latency = RequestLatency(self.board)
+        self._shared: dict[str, dict[str, Any]] = {}
 
     @property
     def info(self) -> EngineInfo:
@@ -183,24 +192,28 @@ class Services:
         board.gauge("cache.memory_max_bytes", memory.max_bytes)
         board.gauge("cache.store_degraded", float(tiers.store_degraded))
 
-    @property
-    def coverage_file(self) -> Path | None:
-        return None if self.run_dir is None else self.run_dir / "coverage.json"
-
     def save_coverage(self, result: dict[str, Any]) -> None:
         """The latest roster coverage check, for /v1/stats through any worker."""
-        self._coverage = result
-        if self.coverage_file is not None:
-            tmp = self.coverage_file.with_suffix(".tmp")
-            tmp.write_bytes(orjson.dumps(result))
-            tmp.replace(self.coverage_file)
+        self.save_shared("coverage", result)
 
     def last_coverage(self) -> dict[str, Any] | None:
-        if self.coverage_file is not None:
+        return self.last_shared("coverage")
+
+    def save_shared(self, name: str, result: dict[str, Any]) -> None:
+        """The latest result of some check (coverage, drift), for /v1/stats through any
+        worker: a file of the run directory (one process: this object)."""
+        self._shared[name] = result
+        if self.run_dir is not None:
+            tmp = self.run_dir / f"{name}.json.{os.getpid()}.tmp"
+            tmp.write_bytes(orjson.dumps(result))
+            tmp.replace(self.run_dir / f"{name}.json")
+
+    def last_shared(self, name: str) -> dict[str, Any] | None:
+        if self.run_dir is not None:
             with contextlib.suppress(OSError, ValueError):
-                return dict(orjson.loads(self.coverage_file.read_bytes()))
+                return dict(orjson.loads((self.run_dir / f"{name}.json").read_bytes()))
             return None
-        return getattr(self, "_coverage", None)
+        return self._shared.get(name)
 
 
 def build_tiers(settings: Settings) -> TieredByteStore:
@@ -224,6 +237,7 @@ def _embedder(
     stats: BoardCacheStats,
     per_item_ms: Callable[[], float],
     board: Board,
+    reservoir: HitReservoir,
 ) -> CachedEmbedder:
     def lookup(seconds: float) -> None:
         board.observe("fleetcache_request_stage_duration_seconds", ("cache_lookup",), seconds)
@@ -236,6 +250,7 @@ def _embedder(
         per_item_ms=per_item_ms,
         on_lookup=lookup,
         stats=stats,
+        on_hits=reservoir.add,
     )
 
 
@@ -256,10 +271,21 @@ async def open_local_services(
             open_engine_host(settings, board, engine, tiers, stats)
         )
         index = await stack.enter_async_context(open_index_host(settings, board, host.info.dim))
+        reservoir = HitReservoir()
         embedder = _embedder(
-            settings, host, tiers, host.namespace, host.info.dim, stats, host.per_item_ms, board
+            settings,
+            host,
+            tiers,
+            host.namespace,
+            host.info.dim,
+            stats,
+            host.per_item_ms,
+            board,
+            reservoir,
         )
-        yield Services(settings, embedder, host, index, tiers, board, Boards(own=board))
+        yield Services(
+            settings, embedder, host, index, tiers, board, Boards(own=board), reservoir=reservoir
+        )
 
 
 @dataclass(frozen=True)
@@ -288,8 +314,12 @@ async def open_worker_services(
     async with contextlib.AsyncExitStack() as stack:
         board = Board(cluster.role, cluster.boards_dir)
         stack.callback(board.close)
+        reservoir = HitReservoir()
 
         async def answer(message: dict[str, Any]) -> dict[str, Any]:
+            """The engine process asks: drop keys from the memory tier, or the hit texts."""
+            if message.get("op") == "hits":
+                return {"texts": reservoir.texts()}
             if message.get("op") != "drop" or on_drop is None:
                 raise ValueError(f"unknown op {message.get('op')!r}")
             on_drop(message["keys"])
@@ -313,7 +343,15 @@ async def open_worker_services(
             return float(engine.facts().get("per_item_ms") or 0.0)
 
         embedder = _embedder(
-            settings, engine, tiers, cache_namespace(info), info.dim, stats, per_item_ms, board
+            settings,
+            engine,
+            tiers,
+            cache_namespace(info),
+            info.dim,
+            stats,
+            per_item_ms,
+            board,
+            reservoir,
         )
         yield Services(
             settings,
@@ -324,4 +362,5 @@ async def open_worker_services(
             board,
             Boards(cluster.boards_dir),
             run_dir=cluster.run_dir,
+            reservoir=reservoir,
         )

@@ -56,6 +56,13 @@ class Settings(BaseSettings):
     gpu_max_temp_c: float = Field(
         83.0, gt=0.0, le=150.0, description="a GPU at or over this temperature is degraded"
     )
+    # drift check (API.md v1.1, "Drift check"; proxy.drift)
+    drift_threshold: float = Field(
+        0.999, gt=0.0, le=1.0, description="a re-embedded hit below this cosine has drifted"
+    )
+    drift_interval_s: float = Field(
+        3600.0, ge=0.0, description="seconds between background drift checks; 0: off"
+    )
     # cache
     store: StoreKind = "lmdb"
     redis_url: str = "redis://127.0.0.1:6379/0"

@@ -70,6 +70,7 @@ def cache_section(services: Services, totals: Totals) -> dict[str, Any]:
         "expired_entries": int(s["cache.expired_entries"]),
         "failed_calls": int(s["cache.failed_calls"]),
         "in_flight": int(g["cache.in_flight"]),
+        "drift": services.last_shared("drift"),  # the last drift check (proxy.drift), or null
     }
 
 
