@@ -69,6 +69,7 @@ SCALARS: tuple[str, ...] = (
     "inference.ok_items",
     "inference.engine_ms",
     "inference.drift_items",
+    "requests.queue_full",  # 429s for a full inference queue (requests.rejected: worker full)
 )
 GAUGES: tuple[str, ...] = (
     "cache.memory_entries",

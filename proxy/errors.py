@@ -154,6 +154,9 @@ def _too_large(request: Request, exc: Exception) -> JSONResponse:
 
 
 def _queue_full(request: Request, exc: Exception) -> JSONResponse:
+    services = request.app.state.services
+    if services is not None:  # /v1/stats queue.rejected, the alert on queue rejections
+        services.board.add("requests.queue_full")
     return error_response(
         429,
         f"inference queue is full: {exc}",

@@ -79,6 +79,10 @@ SCALARS: tuple[tuple[str, str, str, Callable[[Stats], float]], ...] = (
      "below its maximum while busy): misses go to the fallback, or the primary still serves.",
      lambda s: float(s["inference"]["engine_health"]["degraded"])),
     ("fleetcache_ready", "gauge", "1 when /readyz answers 200.", lambda s: float(s["ready"])),
+    ("fleetcache_cache_store_degraded", "gauge",
+     "1 while the shared cache tier (LMDB or Redis) is failing: requests are served, misses "
+     "computed, the store skipped and retried.",
+     lambda s: float(s["cache"]["tiers"]["store"]["degraded"])),
     ("fleetcache_fleet_drivers", "gauge", "Drivers in the fleet index.",
      lambda s: s["fleet"]["drivers"]),
     ("fleetcache_uptime_seconds", "gauge", "Seconds since this worker started.",
@@ -158,6 +162,15 @@ def labelled_families(stats: Stats) -> Iterator[Family]:
     for name in ("primary", "fallback", "none"):
         serving.add_metric([name], 1.0 if now == name else 0.0)
     yield serving
+    rejected = CounterMetricFamily(
+        "fleetcache_requests_rejected",
+        "Requests answered 429: worker_full (the worker held FLEETCACHE_MAX_INFLIGHT_REQUESTS), "
+        "queue_full (the inference queue could not take the request's new texts).",
+        labels=["reason"],
+    )
+    for reason, count in stats["queue"]["rejected"].items():
+        rejected.add_metric([reason], count)
+    yield rejected
 
 
 def histogram_families(totals: Totals) -> Iterator[Family]:

@@ -143,7 +143,13 @@ def snapshot(services: Services) -> Snapshot:
         },
         "fleet": {"drivers": int(totals.gauges["fleet.drivers"])},
         "coverage": services.last_coverage(),
-        "queue": {"depth": int(totals.gauges["queue.depth"])},
+        "queue": {
+            "depth": int(totals.gauges["queue.depth"]),
+            "rejected": {  # 429s: this worker held too many requests; the engine queue was full
+                "worker_full": int(totals.scalars["requests.rejected"]),
+                "queue_full": int(totals.scalars["requests.queue_full"]),
+            },
+        },
         "processes": totals.processes(),
         "gpu": default_monitor().read(),
         "settings": {

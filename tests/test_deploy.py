@@ -1,9 +1,10 @@
 """compose.yaml and deploy/: what can be checked without Docker.
 
 YAML structure and references (mounted files exist, services and dependencies agree,
-healthchecks present), ``promtool check config`` when promtool is installed (Debian's
-``prometheus`` package), and every metric the Grafana dashboard queries is one the proxy
-really exports after a workload.
+healthchecks present, secrets where the settings look for them), ``promtool check config``,
+``check rules`` and ``test rules`` (deploy/prometheus/alerts_test.yml) when promtool is
+installed (Debian's ``prometheus`` package; ``make test`` installs it), and every metric the
+Grafana dashboard or an alert rule queries is one the proxy really exports after a workload.
 """
 
 from __future__ import annotations
@@ -12,21 +13,31 @@ import json
 import re
 import shutil
 import subprocess
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from engines.fake import FakeEngine
 from proxy import stats
+from proxy.app import create_app
+from proxy.auth import add_key
 from proxy.gpu_health import GpuMonitor
+from tests.conftest import LiveServer, make_settings, open_client, wait_ready
 from tests.test_metrics import fake_nvml, run_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 PROMETHEUS_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
+ALERTS = DEPLOY / "prometheus" / "alerts.yml"
+ALERTS_TEST = DEPLOY / "prometheus" / "alerts_test.yml"
+ALERTMANAGER_CONFIG = DEPLOY / "alertmanager" / "alertmanager.yml"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "fleetcache.json"
 _METRIC = re.compile(r"\bfleetcache_[a-zA-Z0-9_]+")
 
@@ -40,7 +51,9 @@ def compose() -> dict[str, Any]:
 
 def test_compose_services_and_healthchecks(compose: dict[str, Any]) -> None:
     services = compose["services"]
-    assert {"proxy", "redis", "prometheus", "grafana"} <= set(services)
+    assert {"proxy", "redis", "redis-fleet", "prometheus", "alertmanager", "grafana"} <= set(
+        services
+    )
     for name, service in services.items():
         check = service.get("healthcheck")
         assert check and check["test"], f"{name} has no healthcheck"
@@ -86,18 +99,126 @@ def test_prometheus_scrapes_the_proxy(compose: dict[str, Any]) -> None:
     )
 
 
-def test_promtool_accepts_the_config() -> None:
-    promtool = shutil.which("promtool")
-    if promtool is None:
+def promtool(*args: str) -> str:
+    """``promtool ARGS``' output; the test fails when it does."""
+    path = shutil.which("promtool")
+    if path is None:
         pytest.skip("needs promtool (apt-get install prometheus)")
-    result = subprocess.run(
-        [promtool, "check", "config", str(PROMETHEUS_CONFIG)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    result = subprocess.run([path, *args], capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def test_promtool_accepts_the_config(tmp_path: Path) -> None:
+    """As compose lays it out: the config, the rules beside it and the key in secrets/."""
+    shutil.copy(PROMETHEUS_CONFIG, tmp_path / "prometheus.yml")
+    shutil.copy(ALERTS, tmp_path / "alerts.yml")
+    (tmp_path / "secrets").mkdir()
+    (tmp_path / "secrets" / "metrics.key").write_text("fc_example\n")
+    out = promtool("check", "config", str(tmp_path / "prometheus.yml"))
+    assert "SUCCESS: 10 rules found" in out
+
+
+def test_alert_rules_pass_their_unit_tests() -> None:
+    """deploy/prometheus/alerts_test.yml: each rule fires on the series that should trip it
+    (p99 > 300 ms for 5 min, hit ratio halved against the last hour, 429s, engine tripped or
+    degraded, drift, store degraded, GPU >= 83 C, memory bandwidth > 92%, uncorrected ECC)
+    and not on normal ones."""
+    assert "SUCCESS" in promtool("check", "rules", str(ALERTS))
+    assert "SUCCESS" in promtool("test", "rules", str(ALERTS_TEST))
+    rules = yaml.safe_load(ALERTS.read_text())
+    names = {rule["alert"] for group in rules["groups"] for rule in group["rules"]}
+    tested = yaml.safe_load(ALERTS_TEST.read_text())
+    fired = {
+        case["alertname"]
+        for test in tested["tests"]
+        for case in test["alert_rule_test"]
+        if case["exp_alerts"]
+    }
+    assert fired == names, f"rules without a test that fires them: {sorted(names - fired)}"
+
+
+def test_prometheus_loads_the_rules_and_sends_to_alertmanager(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in services["prometheus"]["volumes"]}
+    config_dir = Path(mounts["/etc/prometheus/prometheus.yml"]).parent
+    assert config_dir == Path("./deploy/prometheus")
+    for rule_file in config["rule_files"]:  # relative to the config, as Prometheus reads them
+        assert mounts[f"/etc/prometheus/{rule_file}"] == f"./deploy/prometheus/{rule_file}"
+    (manager,) = config["alerting"]["alertmanagers"]
+    (target,) = manager["static_configs"][0]["targets"]
+    host, port = target.split(":")
+    alertmanager = services[host]
+    assert any(p.endswith(f":{port}") for p in alertmanager["ports"])
+    assert "/-/ready" in " ".join(alertmanager["healthcheck"]["test"])
+    am_mounts = {v.split(":")[1]: v.split(":")[0] for v in alertmanager["volumes"]}
+    assert (ROOT / am_mounts["/etc/alertmanager/alertmanager.yml"]) == ALERTMANAGER_CONFIG
+    routes = yaml.safe_load(ALERTMANAGER_CONFIG.read_text())
+    receivers = {r["name"] for r in routes["receivers"]}
+    assert routes["route"]["receiver"] in receivers
+    assert all(r["receiver"] in receivers for r in routes["route"]["routes"])
+    assert services["prometheus"]["depends_on"]["alertmanager"]["condition"] == "service_healthy"
+
+
+def test_prometheus_scrapes_with_a_key_when_metrics_are_not_public(
+    compose: dict[str, Any],
+) -> None:
+    services, secrets = compose["services"], compose["secrets"]
+    proxy = services["proxy"]["environment"]
+    assert proxy["FLEETCACHE_METRICS_PUBLIC"] == "false"
+    keys = proxy["FLEETCACHE_API_KEYS_FILE"]
+    assert keys.startswith("/run/secrets/") and keys.split("/")[-1] in services["proxy"]["secrets"]
+    (job,) = yaml.safe_load(PROMETHEUS_CONFIG.read_text())["scrape_configs"]
+    auth = job["authorization"]
+    assert auth["type"] == "Bearer"
+    mounted = {s["target"]: s["source"] for s in services["prometheus"]["secrets"]}
+    source = mounted[f"/etc/prometheus/{auth['credentials_file']}"]
+    for name in (source, keys.split("/")[-1]):
+        assert secrets[name]["file"].startswith("./deploy/secrets/")
+    ignored = subprocess.run(
+        ["git", "check-ignore", "-q", secrets[source]["file"]], cwd=ROOT, check=False
+    )
+    assert ignored.returncode == 0, "the keys must never be committed"
+
+
+def test_a_key_from_a_credentials_file_opens_private_metrics(tmp_path: Path) -> None:
+    """What Prometheus does under compose: Bearer <the file's content>, scope operator."""
+    keys = tmp_path / "keys"
+    (tmp_path / "metrics.key").write_text(add_key(keys, "prometheus", frozenset({"operator"})))
+    dispatch = add_key(keys, "dispatcher", frozenset({"dispatch"}))
+    settings = make_settings(tmp_path / "data", api_keys_file=keys, metrics_public=False)
+    with open_client(settings) as client:
+        wait_ready(client)
+        token = (tmp_path / "metrics.key").read_text().strip()
+        assert client.get("/metrics").status_code == 401
+        denied = client.get("/metrics", headers={"Authorization": f"Bearer {dispatch}"})
+        assert denied.status_code == 403
+        scraped = client.get("/metrics", headers={"Authorization": f"Bearer {token}"})
+        assert scraped.status_code == 200 and "fleetcache_ready 1.0" in scraped.text
+
+
+def test_the_fleet_log_has_a_redis_of_its_own_that_keeps_its_data(
+    compose: dict[str, Any],
+) -> None:
+    services = compose["services"]
+    fleet = services["redis-fleet"]
+    command = fleet["command"]
+
+    def option(name: str) -> str:
+        return str(command[command.index(f"--{name}") + 1])
+
+    assert option("appendonly") == "yes"
+    assert option("appendfsync") in ("always", "everysec")
+    assert option("maxmemory-policy") == "noeviction"
+    (volume,) = fleet["volumes"]
+    assert volume.split(":")[1] == "/data" and volume.split(":")[0] in compose["volumes"]
+    assert "ping" in fleet["healthcheck"]["test"]
+    proxy = services["proxy"]
+    assert proxy["environment"]["FLEETCACHE_FLEET_LOG_URL"] == "redis://redis-fleet:6379/0"
+    assert proxy["depends_on"]["redis-fleet"]["condition"] == "service_healthy"
+    cache = services["redis"]["command"]  # the cache may evict: never the fleet log's Redis
+    assert cache[cache.index("--maxmemory-policy") + 1] == "allkeys-lru"
 
 
 def test_grafana_provisioning_is_consistent(compose: dict[str, Any]) -> None:
@@ -128,6 +249,58 @@ def dashboard_metric_names() -> set[str]:
     return {name for expr in exprs for name in _METRIC.findall(expr)}
 
 
+def alert_metric_names() -> set[str]:
+    rules = yaml.safe_load(ALERTS.read_text())
+    exprs = [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
+    return {name for expr in exprs for name in _METRIC.findall(expr)}
+
+
+def exported(text: str) -> set[str]:
+    return {
+        sample.name
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples  # names as scraped: _total, _bucket, _sum, _count
+    }
+
+
+def test_alert_rules_query_only_exported_metrics(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monitor = GpuMonitor(lambda: fake_nvml(), min_interval_s=0.0)
+    monkeypatch.setattr(stats, "default_monitor", lambda: monitor)
+    settings = make_settings(tmp_path, admin_token="deploy-admin", drift_interval_s=0)
+    with open_client(settings) as client:
+        wait_ready(client)
+        run_workload(client)
+        admin = {"Authorization": "Bearer deploy-admin"}
+        assert client.post("/v1/cache/drift", headers=admin).json()["sampled"] > 0
+        text = client.get("/metrics").text
+    used = alert_metric_names()
+    assert len(used) >= 10
+    assert used <= exported(text), f"not exported: {sorted(used - exported(text))}"
+
+
+def test_queue_rejections_are_counted_by_reason(tmp_path: Path) -> None:
+    """A 429 for a full inference queue counts as queue_full (the alert on queue rejections)."""
+    settings = make_settings(tmp_path, max_queue=4, max_texts_per_request=4, max_batch_size=1)
+    with LiveServer(create_app(settings, engine=FakeEngine(delay_s=0.5))) as server:
+        while httpx.get(f"{server.url}/readyz").status_code != 200:
+            time.sleep(0.02)
+        url = f"{server.url}/v1/embeddings"
+        held = threading.Thread(
+            target=httpx.post, args=(url,), kwargs={"json": {"input": list("abcd")}, "timeout": 30}
+        )
+        held.start()  # one text in the engine, one tokenized ahead, two queued
+        time.sleep(0.2)
+        refused = httpx.post(url, json={"input": ["e", "f", "g"]}, timeout=30)
+        held.join()
+        assert refused.status_code == 429 and "queue is full" in refused.text
+        body = httpx.get(f"{server.url}/v1/stats").json()
+        assert body["queue"]["rejected"] == {"worker_full": 0, "queue_full": 1}
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert 'fleetcache_requests_rejected_total{reason="queue_full"} 1.0' in metrics
+
+
 def test_dashboard_queries_only_exported_metrics(
     client: TestClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -135,12 +308,7 @@ def test_dashboard_queries_only_exported_metrics(
     monitor = GpuMonitor(lambda: fake_nvml(), min_interval_s=0.0)
     monkeypatch.setattr(stats, "default_monitor", lambda: monitor)
     run_workload(client)
-    text = client.get("/metrics").text
-    exported = {
-        sample.name
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples  # names as scraped: _total, _bucket, _sum, _count
-    }
+    names = exported(client.get("/metrics").text)
     used = dashboard_metric_names()
     assert len(used) >= 10
-    assert used <= exported, f"not exported: {sorted(used - exported)}"
+    assert used <= names, f"not exported: {sorted(used - names)}"
