@@ -3,7 +3,7 @@ holds, and what the region's shared log on a Redis stream will carry (ARCHITECTU
 "Scale-out beyond one machine"; issue 13), in one format.
 
 Every change has ``seq``, its number: one more than the last change the table applied
-(``FleetTable.seq``). Three kinds, each a msgpack array led by its tag (msgspec)::
+(``FleetTable.seq``). Four kinds, each a msgpack array led by its tag (msgspec)::
 
     ["upsert", seq, ids, vehicle_ids, records, vocabulary, fields, dim, vectors]
         records     the drivers' JSON as upserted (bytes each)
@@ -12,6 +12,9 @@ Every change has ``seq``, its number: one more than the last change the table ap
         vocabulary  ``FleetTable.vocabulary`` of the table that made ``fields``
         vectors     float32 little-endian rows, (len(ids), dim)
     ["update", seq, driver_id, [lat, lng, ts ISO 8601 | null] | null, status | null]
+    ["move", seq, ids, lats, lngs, ts, statuses | null]
+        lats, lngs  float64 little-endian, one per id; ts int64 little-endian, microseconds
+                    since the Unix epoch (UTC); statuses: a status or null per id
     ["delete", seq, driver_id]
 
 An upsert carries the column values so that applying it parses no record: replaying 20,000
@@ -36,7 +39,7 @@ import struct
 import zlib
 from collections.abc import Iterator
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -44,7 +47,7 @@ import numpy.typing as npt
 
 from features.models import DriverRecord, Position, Status
 from indexes.errors import ChangeLogError
-from indexes.table import FleetTable, Prepared
+from indexes.table import FleetTable, Moved, Prepared
 
 HEADER = struct.Struct("<II")
 _LENGTH = struct.Struct("<I")
@@ -118,26 +121,72 @@ class Update(msgspec.Struct, tag="update", array_like=True, frozen=True):
     status: Status | None
 
 
+class Positions(NamedTuple):
+    """A batch of ``PATCH /v1/fleet/positions``, the arguments of ``FleetTable.move``."""
+
+    ids: list[str]
+    lats: npt.NDArray[np.float64]
+    lngs: npt.NDArray[np.float64]
+    ts_us: npt.NDArray[np.int64]  # microseconds since the Unix epoch, UTC
+    statuses: list[Status | None] | None
+
+
+class Move(msgspec.Struct, tag="move", array_like=True, frozen=True):
+    """``PATCH /v1/fleet/positions``: the whole batch as sent; applying it again to an equal
+    table skips the same stale and unknown rows (``FleetTable.move``)."""
+
+    seq: int
+    ids: list[str]
+    lats: bytes
+    lngs: bytes
+    ts: bytes
+    statuses: list[Status | None] | None
+
+    @classmethod
+    def of(cls, seq: int, batch: Positions) -> Move:
+        return cls(
+            seq=seq,
+            ids=list(batch.ids),
+            lats=batch.lats.astype("<f8").tobytes(),
+            lngs=batch.lngs.astype("<f8").tobytes(),
+            ts=batch.ts_us.astype("<i8").tobytes(),
+            statuses=None if batch.statuses is None else list(batch.statuses),
+        )
+
+    def batch(self) -> Positions:
+        return Positions(
+            self.ids,
+            np.frombuffer(self.lats, dtype="<f8"),
+            np.frombuffer(self.lngs, dtype="<f8"),
+            np.frombuffer(self.ts, dtype="<i8"),
+            self.statuses,
+        )
+
+
 class Delete(msgspec.Struct, tag="delete", array_like=True, frozen=True):
     seq: int
     driver_id: str
 
 
-Change = Upsert | Update | Delete
+Change = Upsert | Update | Move | Delete
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Change)
 
 
-def apply(table: FleetTable, change: Change, *, unknown_ok: bool = False) -> DriverRecord | None:
+def apply(
+    table: FleetTable, change: Change, *, unknown_ok: bool = False
+) -> DriverRecord | Moved | None:
     """Make ``change`` in ``table`` as change number ``change.seq``; returns an update's new
-    record. ``unknown_ok``: an update of a driver the table lacks is numbered and skipped
-    (replay; the table raises KeyError otherwise)."""
+    record, a move's outcome. ``unknown_ok``: an update of a driver the table lacks is
+    numbered and skipped (replay; the table raises KeyError otherwise)."""
     with table.applying(change.seq):
         if isinstance(change, Upsert):
             table.upsert_prepared(change.prepared(table.vocabulary), change.rows())
         elif isinstance(change, Delete):
             table.delete_driver(change.driver_id)
+        elif isinstance(change, Move):
+            return table.move(*change.batch())
         elif not unknown_ok or change.driver_id in table:
             position = None if change.position is None else change.position.position()
             return table.update_driver(change.driver_id, position=position, status=change.status)

@@ -55,6 +55,7 @@ SCOPES: dict[str, frozenset[str]] = {
     "PATCH /v1/fleet/drivers/{driver_id}": frozenset({"dispatch", "fleet"}),
     "DELETE /v1/fleet/drivers/{driver_id}": frozenset({"fleet"}),
     "PUT /v1/fleet/drivers": frozenset({"fleet", "warmup"}),
+    "PATCH /v1/fleet/positions": frozenset({"fleet"}),
     "POST /v1/warmup": frozenset({"warmup"}),
     "GET /v1/warmup": frozenset({"warmup", "operator"}),
     "GET /v1/warmup/{job_id}": frozenset({"warmup", "operator"}),

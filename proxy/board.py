@@ -79,6 +79,8 @@ GAUGES: tuple[str, ...] = (
     "cache.in_flight",
     "queue.depth",
     "fleet.drivers",
+    "fleet.seq",
+    "fleet.log_following",
 )
 MAX_CALLERS = 64  # X-Caller is client-controlled: further names count as "other"
 CALLER_BYTES = 32

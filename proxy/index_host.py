@@ -33,7 +33,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -41,10 +41,11 @@ import orjson
 import zmq
 
 from features.models import DriverRecord, Order, Position, Status
-from indexes import Candidate, FleetTable, Prepared, Recommendation, changes
+from indexes import Candidate, FleetTable, Moved, Prepared, Recommendation, changes
 from indexes.changelog import ChangeLog, recover
-from indexes.changes import Change, Delete, Place, Update, Upsert
+from indexes.changes import Change, Delete, Move, Place, Positions, Update, Upsert
 from proxy.board import Board
+from proxy.fleet_log import Entry, FleetLog, FleetLogError
 from proxy.ipc import (
     Blobs,
     Handler,
@@ -61,6 +62,17 @@ LOG_DIR = "changelog"  # under the index dir, beside the snapshots
 Msg = dict[str, Any]
 Frames = list[zmq.Frame]
 Out = tuple[Msg, Blobs]
+FOLLOW_TIMEOUT_S = 5.0  # a published change not applied here by then: 503, retry
+RETRY_MIN_S, RETRY_MAX_S = 0.05, 2.0  # the follower's pause after the log failed
+MOVE_DTYPES = ("<f8", "<f8", "<i8")  # lats, lngs, ts of a move, as raw frames
+
+
+class Movement(NamedTuple):
+    """What ``PATCH /v1/fleet/positions`` answers (API.md)."""
+
+    updated: int
+    stale: int
+    unknown: list[str]
 
 
 class IndexService(Protocol):
@@ -77,6 +89,8 @@ class IndexService(Protocol):
     async def update_driver(
         self, driver_id: str, *, position: Position | None, status: Status | None
     ) -> DriverRecord: ...
+
+    async def move(self, batch: Positions) -> Movement: ...
 
     async def delete_driver(self, driver_id: str) -> bool: ...
 
@@ -99,17 +113,27 @@ class IndexHost:
     failed a write."""
 
     def __init__(
-        self, settings: Settings, table: FleetTable, board: Board, changelog: ChangeLog
+        self,
+        settings: Settings,
+        table: FleetTable,
+        board: Board,
+        changelog: ChangeLog,
+        fleet_log: FleetLog | None = None,
     ) -> None:
         self.settings = settings
         self.table = table
         self.board = board
         # flushes, records, bytes: what durability costs (also in facts()["log"])
         self.changelog = changelog
+        self.fleet_log = fleet_log
         self.revision = 0  # bumped on every change; a snapshot is skipped when unchanged
         self._saved = 0
         self._ready = not settings.demo_drivers  # the demo fleet's loader sets it
         self.up = True
+        # shared mode: the requests waiting for their change to come back from the log
+        self._waiting: dict[str, asyncio.Future[DriverRecord | Moved | None]] = {}
+        self._log_problem: str | None = None  # why the shared log is not followed now
+        self._log_broken: str | None = None  # ... for good: it disagrees with the table
         self._publish()
 
     @property
@@ -120,8 +144,20 @@ class IndexHost:
         self.revision += by
         self._publish()
 
+    def _set_problem(self, reason: str | None) -> None:
+        self._log_problem = reason
+        self._publish()
+
+    def _break_log(self, reason: str) -> None:
+        log.error("fleet log: %s; fleet writes are refused until a restart", reason)
+        self._log_broken = reason
+        self._publish()
+
     def _publish(self) -> None:
         self.board.gauge("fleet.drivers", len(self.table))
+        self.board.gauge("fleet.seq", self.table.seq)
+        following = self._log_problem is None and self._log_broken is None
+        self.board.gauge("fleet.log_following", following)
 
     async def upsert_drivers(
         self, records: Sequence[DriverRecord], vectors: npt.NDArray[np.float32]
@@ -136,10 +172,19 @@ class IndexHost:
     async def update_driver(
         self, driver_id: str, *, position: Position | None, status: Status | None
     ) -> DriverRecord:
+        if driver_id not in self.table:
+            raise KeyError(driver_id)
         place = None if position is None else Place.of(position)
         record = await self._change(Update(self.table.seq + 1, driver_id, place, status))
-        assert record is not None
+        if record is None:  # shared log: another replica deleted it first
+            raise KeyError(driver_id)
+        assert isinstance(record, DriverRecord)
         return record
+
+    async def move(self, batch: Positions) -> Movement:
+        moved = await self._change(Move.of(self.table.seq + 1, batch))
+        assert isinstance(moved, Moved)
+        return Movement(int(moved.applied.sum()), moved.stale, moved.unknown)
 
     async def delete_driver(self, driver_id: str) -> bool:
         if driver_id not in self.table:
@@ -147,12 +192,107 @@ class IndexHost:
         await self._change(Delete(self.table.seq + 1, driver_id))
         return True
 
-    async def _change(self, change: Change) -> DriverRecord | None:
-        """Make ``change`` in the table, then wait until the log has it on disk."""
+    async def _change(self, change: Change) -> DriverRecord | Moved | None:
+        """Make ``change`` in the table, then wait until the log has it on disk. With a
+        shared log: publish it there, then wait until ``follow`` has applied it."""
+        if self.fleet_log is not None:
+            return await self._publish_change(self.fleet_log, change)
         result = changes.apply(self.table, change)
         self._changed()
         await self.changelog.append(change)
         return result
+
+    async def _publish_change(self, fleet_log: FleetLog, change: Change) -> Any:
+        if problem := self._log_broken or self._log_problem:
+            raise FleetLogError(problem)
+        token = fleet_log.token()
+        waiter = self._waiting[token] = asyncio.get_running_loop().create_future()
+        try:
+            applied = self.table.seq  # the follower may apply it before publish returns
+            if await fleet_log.publish(change, token) <= applied:
+                self._break_log("the fleet log numbers anew changes this replica applied")
+                raise FleetLogError(f"{self._log_broken} (was its Redis emptied?)")
+            async with asyncio.timeout(FOLLOW_TIMEOUT_S):
+                return await waiter
+        except TimeoutError:
+            raise FleetLogError(
+                "the change is on the fleet log but not yet applied here; retry"
+            ) from None
+        finally:
+            del self._waiting[token]
+
+    async def catch_up(self) -> None:
+        """At start: apply what the shared log holds beyond the table (a new replica: all of
+        it), so that the replica is ready only once current. Unreachable: start from the
+        local state; ``follow`` catches up when the log is back."""
+        assert self.fleet_log is not None
+        started, first = time.perf_counter(), self.table.seq
+        try:
+            last = await self.fleet_log.last_seq()
+            if last < first:
+                self._break_log(
+                    f"the fleet log ends at change {last}, before this replica's table "
+                    f"(change {first}): start it on an empty data dir, or on its own log"
+                )
+                return
+            while entries := await self.fleet_log.read(self.table.seq, block_ms=None):
+                await self.apply_entries(entries)
+        except FleetLogError as exc:
+            log.error("fleet log: %s; serving the local fleet until it answers", exc)
+            return
+        log.info(
+            "fleet log: %d changes applied in %.2f s (now at change %d)",
+            self.table.seq - first,
+            time.perf_counter() - started,
+            self.table.seq,
+        )
+
+    async def follow(self) -> None:
+        """Shared mode, for ever: apply the log's changes after the table's last, in order,
+        each written to the local change log too (a restart then reads only what is new)."""
+        assert self.fleet_log is not None
+        pause = RETRY_MIN_S
+        while self._log_broken is None:
+            try:
+                entries = await self.fleet_log.read(self.table.seq)
+                await self.apply_entries(entries)
+            except FleetLogError as exc:
+                if self._log_problem != str(exc):
+                    log.error("fleet log: %s (retrying)", exc)
+                self._set_problem(str(exc))
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, RETRY_MAX_S)
+                continue
+            if self._log_problem is not None:
+                log.warning("fleet log: following again after change %d", self.table.seq)
+                self._set_problem(None)
+            pause = RETRY_MIN_S
+
+    async def apply_entries(self, entries: Sequence[Entry]) -> None:
+        done: list[tuple[Entry, Any]] = []
+        try:
+            for entry in entries:
+                done.append((entry, changes.apply(self.table, entry.change, unknown_ok=True)))
+        except Exception as exc:  # an entry this version cannot apply: stop before it
+            log.exception("fleet log: change %d cannot be applied", entry.change.seq)
+            raise FleetLogError(f"change {entry.change.seq} cannot be applied here") from exc
+        finally:
+            if done:
+                self._changed(len(done))
+                await self._settle(done)
+
+    async def _settle(self, done: list[tuple[Entry, Any]]) -> None:
+        """Write applied entries to the local log (one flush), then answer their writers."""
+        appends = [asyncio.ensure_future(self.changelog.append(e.change)) for e, _ in done]
+        results = await asyncio.gather(*appends, return_exceptions=True)
+        for (entry, result), logged in zip(done, results, strict=True):
+            waiter = self._waiting.get(entry.by)
+            if waiter is None or waiter.done():
+                continue
+            if isinstance(logged, BaseException):
+                waiter.set_exception(logged)
+            else:
+                waiter.set_result(result)
 
     async def get_driver(self, driver_id: str) -> DriverRecord | None:
         return self.table.get_driver(driver_id)
@@ -180,6 +320,13 @@ class IndexHost:
             "drivers": len(self.table),
             "revision": self.revision,
             "log": self.changelog.facts(),
+            "seq": self.table.seq,
+            "fleet_log": None
+            if self.fleet_log is None
+            else {
+                "following": self._log_problem is None and self._log_broken is None,
+                "problem": self._log_broken or self._log_problem,
+            },
         }
 
     async def snapshot(self) -> None:
@@ -216,19 +363,26 @@ async def open_index_host(settings: Settings, board: Board, dim: int) -> AsyncIt
         loaded,
         replayed,
     )
-    host = IndexHost(settings, table, board, changelog)
+    fleet_log = None if settings.fleet_log_url is None else FleetLog(settings.fleet_log_url)
+    host = IndexHost(settings, table, board, changelog, fleet_log)
     host.revision = replayed  # the next periodic snapshot holds them
-    task = asyncio.create_task(host.snapshot_periodically(), name="index-snapshots")
+    tasks = [asyncio.create_task(host.snapshot_periodically(), name="index-snapshots")]
+    if fleet_log is not None:
+        await host.catch_up()
+        tasks.append(asyncio.create_task(host.follow(), name="fleet-log"))
     try:
         yield host
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         try:
             await host.snapshot()
         finally:
             await changelog.close()
+            if fleet_log is not None:
+                await fleet_log.close()
 
 
 # -- over IPC ------------------------------------------------------------------------------
@@ -271,6 +425,13 @@ def index_handlers(host: IndexHost) -> dict[str, Handler]:
             raise NotFoundError(message["driver_id"]) from None
         return {"record": _record_json(record)}, ()
 
+    async def move(message: Msg, blobs: Frames) -> Out:
+        lats, lngs, ts = (
+            np.frombuffer(f.buffer, dtype=t) for f, t in zip(blobs, MOVE_DTYPES, strict=True)
+        )
+        batch = Positions(message["ids"], lats, lngs, ts, message["statuses"])
+        return (await host.move(batch))._asdict(), ()
+
     async def delete(message: Msg, blobs: Frames) -> Out:
         return {"deleted": await host.delete_driver(message["driver_id"])}, ()
 
@@ -298,6 +459,7 @@ def index_handlers(host: IndexHost) -> dict[str, Handler]:
         "ping": ping,
         "upsert": upsert,
         "update": update,
+        "move": move,
         "delete": delete,
         "get": get,
         "recommend": recommend,
@@ -350,6 +512,17 @@ class RemoteIndex:
         record = _record(reply["record"])
         assert record is not None
         return record
+
+    async def move(self, batch: Positions) -> Movement:
+        arrays = (batch.lats, batch.lngs, batch.ts_us)
+        frames = [
+            memoryview(np.ascontiguousarray(a, dtype=t).data).cast("B")
+            for a, t in zip(arrays, MOVE_DTYPES, strict=True)
+        ]
+        reply, _ = await self.client.call(
+            "move", frames, ids=list(batch.ids), statuses=batch.statuses
+        )
+        return Movement(reply["updated"], reply["stale"], reply["unknown"])
 
     async def delete_driver(self, driver_id: str) -> bool:
         reply, _ = await self.client.call("delete", driver_id=driver_id)

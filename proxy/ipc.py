@@ -94,13 +94,18 @@ def error_payload(exc: BaseException) -> dict[str, str]:
     for kind, cls in ERRORS.items():
         if isinstance(exc, cls):
             message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+            if isinstance(exc, ServiceUnavailableError):
+                return {"kind": kind, "message": str(message), "service": exc.service}
             return {"kind": kind, "message": str(message)}
     return {"kind": "internal", "message": f"{type(exc).__name__}: {exc}"}
 
 
 def raise_payload(error: dict[str, str]) -> None:
     cls = ERRORS.get(error.get("kind", ""), RemoteError)
-    raise cls(error.get("message", "remote error"))
+    message = error.get("message", "remote error")
+    if cls is ServiceUnavailableError:
+        raise ServiceUnavailableError(message, error.get("service", "engine"))
+    raise cls(message)
 
 
 def rows_frame(rows: npt.NDArray[np.float32]) -> memoryview:

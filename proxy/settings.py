@@ -88,6 +88,9 @@ class Settings(BaseSettings):
     demo_drivers: int = Field(0, ge=0, description="synthetic drivers loaded at start")
     demo_seed: int = 0
     snapshot_interval_s: float = Field(60.0, gt=0.0, description="index snapshot period")
+    fleet_log_url: str | None = Field(
+        None, description="a Redis that keeps its data: replicas share the fleet through it"
+    )
     # processes (fleetcache serve): one engine process, one fleet index owner, N HTTP workers
     workers: int | Literal["auto"] = Field("auto", description="HTTP worker processes")
     warmup_processes: int | Literal["auto"] = Field(
@@ -104,6 +107,12 @@ class Settings(BaseSettings):
     def _check_combinations(self) -> Settings:
         if self.store == "redis" and not self.redis_url.startswith(("redis://", "rediss://")):
             raise ValueError("FLEETCACHE_REDIS_URL must start with redis:// or rediss://")
+        if self.fleet_log_url is not None and not self.fleet_log_url.startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise ValueError(
+                "FLEETCACHE_FLEET_LOG_URL must start with redis://, rediss:// or unix://"
+            )
         if self.max_queue < self.max_texts_per_request:
             raise ValueError(
                 f"FLEETCACHE_MAX_QUEUE={self.max_queue} is below "

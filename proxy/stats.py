@@ -141,7 +141,7 @@ def snapshot(services: Services) -> Snapshot:
             caller: {"hits": h + c, "misses": m, "coalesced": c}
             for caller, (h, c, m) in sorted(totals.callers.items())
         },
-        "fleet": {"drivers": int(totals.gauges["fleet.drivers"])},
+        "fleet": fleet_section(services, totals),
         "coverage": services.last_coverage(),
         "queue": {
             "depth": int(totals.gauges["queue.depth"]),
@@ -160,6 +160,19 @@ def snapshot(services: Services) -> Snapshot:
         },
     }
     return Snapshot(stats, totals)
+
+
+def fleet_section(services: Services, totals: Totals) -> dict[str, Any]:
+    """Drivers, the number of the last fleet change applied, and whether the shared fleet
+    log (``FLEETCACHE_FLEET_LOG_URL``) is followed (null without one)."""
+    following = None
+    if services.settings.fleet_log_url is not None:
+        following = bool(totals.gauges["fleet.log_following"])
+    return {
+        "drivers": int(totals.gauges["fleet.drivers"]),
+        "seq": int(totals.gauges["fleet.seq"]),
+        "log_following": following,
+    }
 
 
 def build_stats(services: Services) -> dict[str, Any]:

@@ -40,7 +40,7 @@ def _ping(port: int) -> bool:
 class RedisServer:
     """One redis-server process on ``127.0.0.1:port``, restartable on the same port."""
 
-    def __init__(self, workdir: Path, port: int | None = None) -> None:
+    def __init__(self, workdir: Path, port: int | None = None, *, durable: bool = False) -> None:
         binary = shutil.which(REDIS_SERVER)
         if binary is None:
             raise FileNotFoundError(
@@ -51,6 +51,8 @@ class RedisServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
+        # durable: an append-only file fsynced on every write (the fleet log's Redis)
+        self.durable = durable
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -61,7 +63,12 @@ class RedisServer:
         if self.running:
             return self
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1"]
-        args += ["--save", "", "--appendonly", "no", "--dir", str(self.workdir)]
+        args += ["--save", "", "--dir", str(self.workdir)]
+        if self.durable:
+            args += ["--appendonly", "yes", "--appendfsync", "always"]
+            args += ["--maxmemory-policy", "noeviction"]
+        else:
+            args += ["--appendonly", "no"]
         args += ["--logfile", str(self.workdir / "redis.log"), "--protected-mode", "no"]
         self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout_s

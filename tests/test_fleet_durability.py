@@ -29,7 +29,17 @@ from features.models import Position
 from features.synthetic import generate_fleet
 from indexes import FleetTable, Prepared, Recommendation
 from indexes.changelog import recover, segment_names, segment_path
-from indexes.changes import Delete, Update, Upsert, apply, decode, encode, frames
+from indexes.changes import (
+    Delete,
+    Move,
+    Positions,
+    Update,
+    Upsert,
+    apply,
+    decode,
+    encode,
+    frames,
+)
 from indexes.errors import ChangeLogError
 from proxy.board import Board
 from proxy.index_host import LOG_DIR, IndexHost, open_index_host
@@ -252,7 +262,17 @@ def test_every_kind_of_change_survives_a_frame() -> None:
     vectors = gaussian_unit(np.random.default_rng(2), 2)
     upsert = Upsert.of(1, prepared, vectors, table.vocabulary)
     update = Update(2, "D001", None, "busy")
-    for change in (upsert, update, Delete(3, "D002")):
+    move = Move.of(
+        3,
+        Positions(
+            ["D001", "D404"],
+            np.array([31.2, 31.3]),
+            np.array([121.4, 121.5]),
+            np.array([1_796_112_000_000_000, 1_796_112_000_000_001], dtype=np.int64),
+            [None, "offline"],
+        ),
+    )
+    for change in (upsert, update, move, Delete(4, "D002")):
         [(end, payload)] = list(frames(encode(change)))
         assert end == len(encode(change))
         assert decode(payload) == change
@@ -314,6 +334,14 @@ def test_every_acknowledged_change_survives_a_kill_9_of_the_whole_server(tmp_pat
                     "status": "available",
                 }
                 assert client.patch(f"/v1/fleet/drivers/{driver_id}", json=body).status_code == 200
+            bulk = [
+                {"driver_id": d.driver_id, **ocean, "lat": ocean["lat"] + 0.002 * (i + 1)}
+                | {"ts": "2026-12-01T08:00:00Z", "status": "available"}
+                for i, d in enumerate(fleet[10:13])
+            ]
+            answer = client.patch("/v1/fleet/positions", json={"positions": bulk})
+            assert answer.json() == {"updated": 3, "stale": 0, "unknown": []}
+            moved_ids += [row["driver_id"] for row in bulk]
             busy = fleet[5].driver_id
             assert (
                 client.patch(f"/v1/fleet/drivers/{busy}", json={"status": "busy"}).status_code

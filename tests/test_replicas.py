@@ -1,4 +1,7 @@
-"""Two ``fleetcache serve`` processes on one Redis: what one embeds is a hit on the other."""
+"""Replicas of ``fleetcache serve`` on one Redis: what one embeds is a hit on the other, and
+with ``FLEETCACHE_FLEET_LOG_URL`` they share the fleet (API.md v1.1 "Durability",
+``proxy.fleet_log``): a change through one is in every other's answers, a Redis restart loses
+nothing, a new replica with an empty data dir starts with the whole fleet."""
 
 from __future__ import annotations
 
@@ -7,13 +10,17 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
+from features.synthetic import generate_fleet
 from tests.conftest import free_port
 from tests.redis_server import RedisServer, start_or_skip
+from tests.serve_process import FleetcacheServer
 
 pytestmark = pytest.mark.redis
 REPO = Path(__file__).resolve().parents[1]
@@ -73,4 +80,90 @@ def test_a_text_embedded_through_one_replica_is_a_hit_on_the_other(tmp_path: Pat
         for process, _ in replicas:
             os.killpg(process.pid, signal.SIGTERM)
             process.wait(timeout=60)
+        redis.stop()
+
+
+def eventually(check: Callable[[], bool], timeout_s: float = 5.0) -> float:
+    """Seconds until ``check()`` holds (AssertionError after ``timeout_s``)."""
+    started = time.monotonic()
+    while not check():
+        assert time.monotonic() - started < timeout_s, "not within the time allowed"
+        time.sleep(0.01)
+    return time.monotonic() - started
+
+
+def record(url: str, driver_id: str) -> Any:
+    answer = httpx.get(f"{url}/v1/fleet/drivers/{driver_id}", timeout=5)
+    return answer.json() if answer.status_code == 200 else answer.status_code
+
+
+def near(url: str, place: dict[str, float]) -> list[str]:
+    order = {"order_id": "o", "pickup": place, "radius_km": 2.0, "k": 10}
+    answer = httpx.post(f"{url}/v1/dispatch/recommend", json=order, timeout=5)
+    assert answer.status_code == 200, answer.text
+    return sorted(c["driver_id"] for c in answer.json()["candidates"])
+
+
+@pytest.mark.timeout(300)
+def test_replicas_on_one_fleet_log_share_the_fleet(tmp_path: Path) -> None:
+    redis = RedisServer(tmp_path / "redis", durable=True).start()
+    replicas: list[FleetcacheServer] = []
+
+    def replica(name: str) -> FleetcacheServer:
+        server = FleetcacheServer(tmp_path / name, workers=1, fleet_log_url=redis.url)
+        replicas.append(server.start())
+        return server
+
+    try:
+        one, two = replica("one"), replica("two")
+        fleet = [d.model_dump(mode="json") for d in generate_fleet(40, seed=3)]
+        put = httpx.put(f"{one.url}/v1/fleet/drivers", json={"drivers": fleet}, timeout=30)
+        assert put.status_code == 200, put.text
+        assert eventually(lambda: record(two.url, fleet[-1]["driver_id"]) != 404) < 1.0
+        assert record(two.url, fleet[0]["driver_id"]) == record(one.url, fleet[0]["driver_id"])
+
+        # positions through two, recommended through one; a delete through one, gone on two
+        ocean = {"lat": -47.5, "lng": -120.25}
+        ids = [fleet[i]["driver_id"] for i in (1, 2)]
+        rows = [
+            {**ocean, "driver_id": i, "ts": "2026-12-01T08:00:00Z", "status": "available"}
+            for i in ids
+        ]
+        moved = httpx.patch(f"{two.url}/v1/fleet/positions", json={"positions": rows})
+        assert moved.json() == {"updated": 2, "stale": 0, "unknown": []}
+        assert eventually(lambda: near(one.url, ocean) == sorted(ids)) < 1.0
+        stale = [{**rows[0], "lat": 10.0, "ts": "2026-12-01T07:59:00Z"}]
+        answer = httpx.patch(f"{one.url}/v1/fleet/positions", json={"positions": stale})
+        assert answer.json() == {"updated": 0, "stale": 1, "unknown": []}
+        gone = fleet[3]["driver_id"]
+        assert httpx.delete(f"{one.url}/v1/fleet/drivers/{gone}").status_code == 200
+        assert eventually(lambda: record(two.url, gone) == 404) < 1.0
+
+        # the log's Redis killed: fleet writes answer 503 + Retry-After, reads go on
+        redis.stop()
+        patch = {"status": "busy"}
+        refused = httpx.patch(f"{one.url}/v1/fleet/drivers/{ids[0]}", json=patch, timeout=30)
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["type"] == "fleet_log_unavailable"
+        assert refused.headers["Retry-After"]
+        assert near(two.url, ocean) == sorted(ids)
+        # ... and back from its append-only file: nothing lost, changes flow again
+        redis.start()
+
+        def patched() -> bool:
+            url = f"{one.url}/v1/fleet/drivers/{ids[0]}"
+            return httpx.patch(url, json=patch, timeout=30).status_code == 200
+
+        eventually(patched, timeout_s=15)
+        assert eventually(lambda: near(two.url, ocean) == [ids[1]], timeout_s=5) < 5
+
+        # a new replica on an empty data dir starts from the log: the same fleet
+        three = replica("three")
+        for driver in fleet:
+            assert record(three.url, driver["driver_id"]) == record(one.url, driver["driver_id"])
+        seqs = {r.stats()["fleet"]["seq"] for r in replicas}
+        assert len(seqs) == 1 and seqs.pop() > 0
+    finally:
+        for server in replicas:
+            server.stop()
         redis.stop()

@@ -1,18 +1,24 @@
-"""The fleet index: ``PUT /v1/fleet/drivers`` and ``GET|PATCH|DELETE /v1/fleet/drivers/{id}``.
+"""The fleet index: ``PUT /v1/fleet/drivers``, ``GET|PATCH|DELETE /v1/fleet/drivers/{id}``
+and ``PATCH /v1/fleet/positions``.
 
-Only ``PUT`` embeds (through the cache); ``PATCH`` moves a driver or changes its status in the
-index without any inference.
+Only ``PUT`` embeds (through the cache); the ``PATCH`` routes move drivers or change their
+status in the index without any inference. A bulk position older than the driver's stored one
+is ignored and counted ``stale``: telemetry arrives out of order, and across replicas.
 """
 
 from __future__ import annotations
 
 import time
+from datetime import datetime
 from typing import Any
 
+import numpy as np
 from fastapi import APIRouter, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from features.models import DriverRecord, Position, Status
+from features.models import DriverRecord, Identifier, Latitude, Longitude, Position, Status
+from indexes.changes import Positions
+from indexes.columns import timestamp_us
 from proxy.body import JSONRoute
 from proxy.deps import CallerDep, ServicesDep
 from proxy.errors import API_ERRORS, APIError
@@ -41,6 +47,20 @@ class DriverPatch(BaseModel):
     )
     position: Position | None = None
     status: Status | None = None
+
+
+class PositionUpdate(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    driver_id: Identifier
+    lat: Latitude
+    lng: Longitude
+    ts: datetime
+    status: Status | None = None
+
+
+class PositionsRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    positions: list[PositionUpdate] = Field(min_length=1)
 
 
 def unknown_driver(driver_id: str) -> APIError:
@@ -85,3 +105,19 @@ async def delete_driver(driver_id: str, services: ServicesDep) -> dict[str, Any]
     if not await services.delete_driver(driver_id):
         raise unknown_driver(driver_id)
     return {"deleted": driver_id}
+
+
+@router.patch("/v1/fleet/positions")
+async def patch_positions(body: PositionsRequest, services: ServicesDep) -> dict[str, Any]:
+    rows = body.positions
+    check_record_count(len(rows), services.settings.max_records_per_request, "positions")
+    n = len(rows)
+    statuses = [r.status for r in rows]
+    batch = Positions(
+        ids=[r.driver_id for r in rows],
+        lats=np.fromiter((r.lat for r in rows), dtype=np.float64, count=n),
+        lngs=np.fromiter((r.lng for r in rows), dtype=np.float64, count=n),
+        ts_us=np.fromiter((timestamp_us(r.ts) for r in rows), dtype=np.int64, count=n),
+        statuses=None if all(s is None for s in statuses) else statuses,
+    )
+    return (await services.index.move(batch))._asdict()
