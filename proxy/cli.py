@@ -338,6 +338,19 @@ def stats_tables(stats: dict[str, Any]) -> list[Table]:
         engine.add_row(key, f"{value:.2f}" if isinstance(value, float) else str(value))
     for key, value in inference["engine"].items():
         engine.add_row(f"engine {key}", str(value))
+    health = inference["engine_health"]
+    state = (
+        "unhealthy" if not health["healthy"] else "degraded" if health["degraded"] else "healthy"
+    )
+    reason = f": {health['reason']}" if health["reason"] else ""
+    engine.add_row("engine health", f"{state}{reason} (serving {health['serving']})")
+    drift = cache["drift"]
+    if drift is not None and drift["sampled"]:
+        engine.add_row(
+            "drift",
+            f"min cosine {drift['min_cosine']:.6f}, {drift['below_threshold']} of "
+            f"{drift['sampled']} below {drift['threshold']:g}",
+        )
     requests = Table("requests", "p50 ms", "p99 ms")
     for kind, values in latency.items():
         requests.add_row(kind, f"{values['p50_ms']:.2f}", f"{values['p99_ms']:.2f}")

@@ -400,7 +400,8 @@ class RemoteEngine:
         return reply
 
     async def reembed(self, texts: Sequence[str]) -> Vectors:
-        _, frames = await self.client.call("reembed", texts=list(texts), timeout_s=60.0)
+        # no timeout, as for embed: a large sample behind a warm-up job may take minutes
+        _, frames = await self.client.call("reembed", texts=list(texts))
         return frame_rows(frames[0], self.info.dim)
 
     async def hit_texts(self, own: Sequence[str]) -> list[str]:

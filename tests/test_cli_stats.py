@@ -5,16 +5,18 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 from typer.testing import CliRunner
 
 from engines.fake import FakeEngine
+from engines.fallback import Condition, FallbackEngine
 from proxy.app import create_app
 from proxy.cli import app as cli
 from proxy.settings import Settings
-from tests.conftest import LiveServer, wait_ready
+from tests.conftest import LiveServer, make_settings, wait_ready
 
 
 @pytest.fixture
@@ -35,6 +37,25 @@ def test_stats_prints_the_tables_once(server: LiveServer) -> None:
     assert result.exit_code == 0, result.output
     assert misses_per_frame(result.output) == [2]
     assert "hit_ratio" in result.output and "p99 ms" in result.output
+    assert "healthy (serving primary)" in result.output
+    assert "drift" not in result.output  # no check yet
+
+
+def test_stats_show_a_degraded_engine_and_the_last_drift_check(tmp_path: Path) -> None:
+    engine = FallbackEngine(FakeEngine())
+    settings = make_settings(tmp_path, admin_token="cli-admin", drift_interval_s=0)
+    with LiveServer(create_app(settings, engine=engine)) as live:
+        with httpx.Client(base_url=live.url) as http:
+            wait_ready(http)  # type: ignore[arg-type]
+            for _ in range(2):
+                http.post("/v1/embeddings", json={"input": ["a", "b"]})
+            admin = {"Authorization": "Bearer cli-admin"}
+            assert http.post("/v1/cache/drift", headers=admin).json()["sampled"] == 2
+        engine.observe(Condition(slow="GPU 0 temperature 90 C >= 83 C"))
+        result = CliRunner().invoke(cli, ["stats", "--url", live.url], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "degraded: GPU 0 temperature 90 C >= 83 C (serving primary)" in result.output
+    assert "min cosine 1.000000, 0 of 2 below 0.999" in result.output
 
 
 def test_stats_watch_redraws_with_fresh_numbers_until_count(server: LiveServer) -> None:
