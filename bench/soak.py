@@ -100,10 +100,10 @@ def run_client(args: tuple[str, int, float, float, float, list[Any], str]) -> No
     Path(out).write_text(json.dumps(results))
 
 
-def tree_rss_mb(root: int) -> tuple[float, float]:
-    """Resident memory of ``root`` and every descendant (from /proc), in MB: all of it, and
-    its anonymous part (``RssAnon``: heaps; the rest is mapped files, such as the LMDB file
-    that every process maps and that grows as the cache fills)."""
+def tree_memory(root: int) -> dict[str, tuple[float, float]]:
+    """Resident memory of ``root`` and every descendant (from /proc), in MB, by process
+    (``pid name``): all of it, and its anonymous part (``RssAnon``: heaps; the rest is mapped
+    files, such as the LMDB file that every process maps and that grows as the cache fills)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -112,19 +112,20 @@ def tree_rss_mb(root: int) -> tuple[float, float]:
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(entry.name))
-    total, anon, todo = 0.0, 0.0, [root]
+    memory, todo = {}, [root]
     while todo:
         pid = todo.pop()
         todo.extend(children.get(pid, []))
         try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) / 1024
-                elif line.startswith("RssAnon:"):
-                    anon += int(line.split()[1]) / 1024
-        except OSError:
+            fields = dict(
+                line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+            )
+            name = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[-2].decode()[-24:]
+        except (OSError, IndexError, ValueError):
             continue
-    return total, anon
+        kb = [int(fields.get(key, "0 kB").split()[0]) for key in ("VmRSS", "RssAnon")]
+        memory[f"{pid} {name}"] = (kb[0] / 1024, kb[1] / 1024)
+    return memory
 
 
 def p99(values: list[float]) -> float:
@@ -169,8 +170,12 @@ def main() -> None:
         ]
         pending = pool.map_async(run_client, jobs)
         rss: list[tuple[float, float, float]] = []
+        processes: list[tuple[float, dict[str, tuple[float, float]]]] = []
         while not pending.ready():
-            rss.append((time.time() - start_at, *tree_rss_mb(server.process.pid)))
+            sample = tree_memory(server.process.pid)
+            processes.append((time.time() - start_at, sample))
+            total = [sum(m[i] for m in sample.values()) for i in (0, 1)]
+            rss.append((time.time() - start_at, total[0], total[1]))
             pending.wait(10)
         pending.get()
         pool.close()
@@ -226,7 +231,13 @@ def main() -> None:
         f"server counted: hits {stats['cache']['hits']}, misses {stats['cache']['misses']}, "
         f"items {stats['inference']['items']}"
     )
-    (out / "soak.json").write_text(json.dumps({"rows": rows, "rss": rss, "by_kind": by_kind}))
+    first = next(m for t, m in processes if t >= 60) if rss[-1][0] >= 60 else processes[0][1]
+    last = processes[-1][1]
+    print("anonymous MB by process, after minute 1 -> end (a process restarted shows once):")
+    for name in sorted(set(first) & set(last)):
+        print(f"  {name:>32}  {first[name][1]:8.1f} -> {last[name][1]:8.1f}")
+    record = {"rows": rows, "rss": rss, "by_kind": by_kind, "processes": processes}
+    (out / "soak.json").write_text(json.dumps(record))
     print(f"logs and JSON: {out}")
 
 
