@@ -15,26 +15,41 @@ number. ``by`` lets the writing replica find its own change again when it applie
 answer the request that made it.
 
 The Redis behind it must keep its data (append-only file, ``noeviction``): not the cache's
-Redis, which may evict (compose.yaml runs both). Every entry is kept: a new replica with an
-empty data dir replays the stream from its first change.
+Redis, which may evict (compose.yaml runs both).
+
+The stream does not grow for ever (bulk positions alone can add megabytes a second). Every
+``FLEETCACHE_FLEET_SNAPSHOT_PUBLISH_S`` one replica (a lock decides which) *publishes* its
+latest local snapshot: the files of its snapshot directory in chunks under
+``fleetcache:fleet:snapshot:<seq>:<file>:<i>``, then a manifest ``fleetcache:fleet:snapshot``
+(seq, directory name, files) that names them, then the previous snapshot's keys deleted and the
+stream trimmed up to the previous snapshot's seq (a replica that is live follows within
+milliseconds; one a whole publish interval behind starts again from the snapshot). A replica
+whose table is older than the stream's first entry (a new one with an empty data dir, or one
+down for long) starts from the published snapshot plus the stream after it (``bootstrap``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from indexes import changes
+from indexes import changes, snapshot
 from indexes.changes import Change
 from proxy.ipc import ServiceUnavailableError
 
+T = TypeVar("T")
 STREAM = "fleetcache:fleet"
+CHUNK_BYTES = 32 << 20  # a published snapshot's files travel in pieces of this size
 
 # KEYS[1] the stream; ARGV[1] the frame, ARGV[2] the writer's token. Returns the new seq:
 # one past the stream's last id (its "last-generated-id", which survives trimming).
@@ -59,6 +74,11 @@ class FleetLogError(ServiceUnavailableError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, "fleet_log")
+
+
+class FleetLogGap(FleetLogError):
+    """The stream no longer holds the changes right after this replica's table (trimmed
+    after a snapshot was published): the replica must start again from that snapshot."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +137,87 @@ class FleetLog:
             raise FleetLogError(f"the fleet log is unavailable: {type(exc).__name__}") from exc
         return list(_entries(answer, after))
 
+    async def first_seq(self) -> int:
+        """The number of the oldest change the stream still holds (one past the last when
+        it holds none: all trimmed, or none ever appended)."""
+        try:
+            info = await self._client.xinfo_stream(self.stream)
+        except ResponseError:
+            return 1
+        except RedisError as exc:
+            raise FleetLogError(f"the fleet log is unavailable: {type(exc).__name__}") from exc
+        first = info.get("first-entry")
+        if first:
+            return int(first[0].split(b"-", 1)[0])
+        return int(info["last-generated-id"].split(b"-", 1)[0]) + 1
+
+    async def manifest(self) -> dict[str, Any] | None:
+        """The published snapshot: {"seq", "name", "files": [[name, size, chunks], ...]}."""
+        raw = await self._call(self._client.get(f"{self.stream}:snapshot"))
+        return None if raw is None else dict(json.loads(raw))
+
+    async def publish_snapshot(self, directory: Path, seq: int, *, every_s: float) -> bool:
+        """Publish the snapshot in ``directory`` (holding changes up to ``seq``) unless one
+        at least as new is published, or another replica published one less than ``every_s``
+        ago; then trim the stream up to the snapshot published before. True when published."""
+        lock = f"{self.stream}:snapshot:lock"
+        if not await self._call(
+            self._client.set(lock, self._prefix, nx=True, ex=max(1, round(every_s)))
+        ):
+            return False
+        before = await self.manifest()
+        if before is not None and before["seq"] >= seq:
+            return False
+        files = []
+        for path in await asyncio.to_thread(_files, directory):
+            chunks = 0
+            with await asyncio.to_thread(path.open, "rb") as fh:
+                while piece := await asyncio.to_thread(fh.read, CHUNK_BYTES):
+                    key = f"{self.stream}:snapshot:{seq}:{path.name}:{chunks}"
+                    await self._call(self._client.set(key, piece))
+                    chunks += 1
+            files.append([path.name, (await asyncio.to_thread(path.stat)).st_size, chunks])
+        manifest = {"seq": seq, "name": directory.name, "files": files}
+        await self._call(self._client.set(f"{self.stream}:snapshot", json.dumps(manifest)))
+        if before is not None:
+            await self._delete_snapshot(before)
+            await self._call(self._client.xtrim(self.stream, minid=f"{before['seq'] + 1}-0"))
+        return True
+
+    async def fetch_snapshot(self, manifest: dict[str, Any], root: Path) -> Path:
+        """Write the published snapshot into ``root`` as its live snapshot (the layout of
+        ``indexes.snapshot``: its directory, then ``CURRENT`` naming it); returns it."""
+        target = root / manifest["name"]
+        await asyncio.to_thread(target.mkdir, parents=True)
+        for name, size, chunks in manifest["files"]:
+            pieces: list[bytes] = []
+            for i in range(chunks):
+                key = f"{self.stream}:snapshot:{manifest['seq']}:{name}:{i}"
+                piece = await self._call(self._client.get(key))
+                if not isinstance(piece, bytes):  # None: deleted by a newer publish
+                    raise FleetLogError(f"the published snapshot lost {name} (replaced?)")
+                pieces.append(piece)
+            if sum(map(len, pieces)) != size:
+                raise FleetLogError(f"the published snapshot's {name} is not {size} bytes")
+            await asyncio.to_thread(_write_file, target / name, pieces)
+        await asyncio.to_thread(_point, root, target)
+        return target
+
+    async def _delete_snapshot(self, manifest: dict[str, Any]) -> None:
+        keys = [
+            f"{self.stream}:snapshot:{manifest['seq']}:{name}:{i}"
+            for name, _, chunks in manifest["files"]
+            for i in range(chunks)
+        ]
+        if keys:
+            await self._call(self._client.delete(*keys))
+
+    async def _call(self, pending: Awaitable[T]) -> T:
+        try:
+            return await pending
+        except RedisError as exc:
+            raise FleetLogError(f"the fleet log is unavailable: {type(exc).__name__}") from exc
+
     async def close(self) -> None:
         await self._client.aclose()
         await self._reader.aclose()
@@ -130,7 +231,7 @@ def _entries(answer: Any, after: int) -> Iterator[Entry]:
         for entry_id, fields in items:
             seq = int(entry_id.split(b"-", 1)[0])
             if seq != expected:
-                raise FleetLogError(
+                raise FleetLogGap(
                     f"the fleet log skips from change {expected - 1} to {seq} (trimmed?)"
                 )
             payloads = [p for _, p in changes.frames(fields[b"c"])]
@@ -139,3 +240,25 @@ def _entries(answer: Any, after: int) -> Iterator[Entry]:
             change = msgspec.structs.replace(changes.decode(payloads[0]), seq=seq)
             yield Entry(change, fields.get(b"by", b"").decode())
             expected += 1
+
+
+def _write_file(path: Path, pieces: list[bytes]) -> None:
+    with path.open("wb") as fh:
+        for piece in pieces:
+            fh.write(piece)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _point(root: Path, target: Path) -> None:
+    """Make ``target`` the live snapshot of ``root``, durably (as ``indexes.snapshot``)."""
+    snapshot.fsync_path(target)
+    pointer = root / f"{snapshot.CURRENT}.tmp"
+    pointer.write_text(target.name + "\n")
+    snapshot.fsync_path(pointer)
+    os.replace(pointer, root / snapshot.CURRENT)
+    snapshot.fsync_path(root)
+
+
+def _files(directory: Path) -> list[Path]:
+    return sorted(directory.iterdir())

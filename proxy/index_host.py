@@ -31,8 +31,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
 import time
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -41,11 +43,11 @@ import orjson
 import zmq
 
 from features.models import DriverRecord, Order, Position, Status
-from indexes import Candidate, FleetTable, Moved, Prepared, Recommendation, changes
+from indexes import Candidate, FleetTable, Moved, Prepared, Recommendation, changes, snapshot
 from indexes.changelog import ChangeLog, recover
 from indexes.changes import Change, Delete, Move, Place, Positions, Update, Upsert
 from proxy.board import Board
-from proxy.fleet_log import Entry, FleetLog, FleetLogError
+from proxy.fleet_log import Entry, FleetLog, FleetLogError, FleetLogGap
 from proxy.ipc import (
     Blobs,
     Handler,
@@ -134,6 +136,7 @@ class IndexHost:
         self._waiting: dict[str, asyncio.Future[DriverRecord | Moved | None]] = {}
         self._log_problem: str | None = None  # why the shared log is not followed now
         self._log_broken: str | None = None  # ... for good: it disagrees with the table
+        self._published_at = -float("inf")  # when a snapshot was last offered to the log
         self._publish()
 
     @property
@@ -237,6 +240,9 @@ class IndexHost:
                 return
             while entries := await self.fleet_log.read(self.table.seq, block_ms=None):
                 await self.apply_entries(entries)
+        except FleetLogGap as exc:
+            self._break_log(f"{exc}, and no snapshot published after it")
+            return
         except FleetLogError as exc:
             log.error("fleet log: %s; serving the local fleet until it answers", exc)
             return
@@ -256,6 +262,8 @@ class IndexHost:
             try:
                 entries = await self.fleet_log.read(self.table.seq)
                 await self.apply_entries(entries)
+            except FleetLogGap as exc:
+                self._break_log(f"{exc}: restart the server to start from the published snapshot")
             except FleetLogError as exc:
                 if self._log_problem != str(exc):
                     log.error("fleet log: %s (retrying)", exc)
@@ -338,6 +346,23 @@ class IndexHost:
             seq = await asyncio.to_thread(self.table.save, self.settings.index_dir)
             self._saved = revision
             await self.changelog.drop_covered(seq)
+            await self._publish_snapshot(seq)
+
+    async def _publish_snapshot(self, seq: int) -> None:
+        """Shared mode: offer the snapshot just saved to replicas that start behind the
+        stream (``FleetLog.publish_snapshot``), at most every
+        FLEETCACHE_FLEET_SNAPSHOT_PUBLISH_S."""
+        every_s = self.settings.fleet_snapshot_publish_s
+        if self.fleet_log is None or time.monotonic() - self._published_at < every_s:
+            return
+        root = self.settings.index_dir
+        name = (await asyncio.to_thread((root / snapshot.CURRENT).read_text)).strip()
+        try:
+            if await self.fleet_log.publish_snapshot(root / name, seq, every_s=every_s):
+                log.info("fleet log: published the snapshot of change %d", seq)
+            self._published_at = time.monotonic()
+        except FleetLogError as exc:
+            log.warning("fleet log: snapshot not published (%s); the next one retries", exc)
 
     async def snapshot_periodically(self) -> None:
         while True:
@@ -352,18 +377,12 @@ class IndexHost:
 async def open_index_host(settings: Settings, board: Board, dim: int) -> AsyncIterator[IndexHost]:
     """The table of ``dim``-d vectors loaded from its last snapshot plus the change log after
     it, snapshotted periodically and on the way out."""
-    started = time.perf_counter()
-    table = await asyncio.to_thread(FleetTable.load, settings.index_dir, dim)
-    loaded = table.seq
-    changelog, replayed = await asyncio.to_thread(recover, table, settings.index_dir / LOG_DIR)
-    log.info(
-        "fleet index loaded: %d drivers in %.2f s (snapshot of change %d, %d changes replayed)",
-        len(table),
-        time.perf_counter() - started,
-        loaded,
-        replayed,
-    )
+    table, changelog, replayed = await _load(settings, dim)
     fleet_log = None if settings.fleet_log_url is None else FleetLog(settings.fleet_log_url)
+    if fleet_log is not None and await _fetch_published(fleet_log, settings, table.seq):
+        await changelog.close()
+        await asyncio.to_thread(_replace_index_dir, settings.index_dir)
+        table, changelog, replayed = await _load(settings, dim)
     host = IndexHost(settings, table, board, changelog, fleet_log)
     host.revision = replayed  # the next periodic snapshot holds them
     tasks = [asyncio.create_task(host.snapshot_periodically(), name="index-snapshots")]
@@ -383,6 +402,65 @@ async def open_index_host(settings: Settings, board: Board, dim: int) -> AsyncIt
             await changelog.close()
             if fleet_log is not None:
                 await fleet_log.close()
+
+
+async def _load(settings: Settings, dim: int) -> tuple[FleetTable, ChangeLog, int]:
+    """The local table (its last snapshot plus its change log), the log, changes replayed."""
+    started = time.perf_counter()
+    table = await asyncio.to_thread(FleetTable.load, settings.index_dir, dim)
+    loaded = table.seq
+    changelog, replayed = await asyncio.to_thread(recover, table, settings.index_dir / LOG_DIR)
+    log.info(
+        "fleet index loaded: %d drivers in %.2f s (snapshot of change %d, %d changes replayed)",
+        len(table),
+        time.perf_counter() - started,
+        loaded,
+        replayed,
+    )
+    return table, changelog, replayed
+
+
+def _incoming(index_dir: Path) -> Path:
+    return index_dir.with_name(index_dir.name + ".incoming")
+
+
+async def _fetch_published(fleet_log: FleetLog, settings: Settings, seq: int) -> bool:
+    """A table older than the stream's first change (a new replica, or one down for long):
+    fetch the published snapshot beside the index dir (``_replace_index_dir`` swaps it in).
+    False when the table can follow the stream as it is, or nothing fits (then ``catch_up``
+    says why)."""
+    try:
+        first = await fleet_log.first_seq()
+        if seq + 1 >= first:
+            return False
+        manifest = await fleet_log.manifest()
+        if manifest is None or manifest["seq"] + 1 < first:
+            return False
+        incoming = _incoming(settings.index_dir)
+        await asyncio.to_thread(shutil.rmtree, incoming, ignore_errors=True)
+        started = time.perf_counter()
+        await fleet_log.fetch_snapshot(manifest, incoming)
+    except FleetLogError as exc:
+        log.error("fleet log: %s; starting from the local fleet", exc)
+        return False
+    log.info(
+        "fleet log: fetched the published snapshot of change %d in %.2f s (this table: %d)",
+        manifest["seq"],
+        time.perf_counter() - started,
+        seq,
+    )
+    return True
+
+
+def _replace_index_dir(index_dir: Path) -> None:
+    """The fetched snapshot becomes the index dir; the old one (snapshots and change log,
+    older than it) goes. A crash in between leaves one of them whole."""
+    old = index_dir.with_name(index_dir.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if index_dir.exists():
+        index_dir.rename(old)
+    _incoming(index_dir).rename(index_dir)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 # -- over IPC ------------------------------------------------------------------------------

@@ -91,6 +91,9 @@ class Settings(BaseSettings):
     fleet_log_url: str | None = Field(
         None, description="a Redis that keeps its data: replicas share the fleet through it"
     )
+    fleet_snapshot_publish_s: float = Field(
+        600.0, gt=0.0, description="with a fleet log: how often a replica publishes a snapshot"
+    )
     # processes (fleetcache serve): one engine process, one fleet index owner, N HTTP workers
     workers: int | Literal["auto"] = Field("auto", description="HTTP worker processes")
     warmup_processes: int | Literal["auto"] = Field(

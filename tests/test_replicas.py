@@ -16,8 +16,10 @@ from typing import Any
 
 import httpx
 import pytest
+from redis import Redis
 
 from features.synthetic import generate_fleet
+from proxy.fleet_log import STREAM
 from tests.conftest import free_port
 from tests.redis_server import RedisServer, start_or_skip
 from tests.serve_process import FleetcacheServer
@@ -167,3 +169,47 @@ def test_replicas_on_one_fleet_log_share_the_fleet(tmp_path: Path) -> None:
         for server in replicas:
             server.stop()
         redis.stop()
+
+
+@pytest.mark.timeout(300)
+def test_a_new_replica_starts_from_the_published_snapshot_once_the_log_is_trimmed(
+    tmp_path: Path,
+) -> None:
+    redis_server = RedisServer(tmp_path / "redis", durable=True).start()
+    redis = Redis.from_url(redis_server.url)
+    often = {"snapshot_interval_s": 0.3, "fleet_snapshot_publish_s": 0.5}
+    one = FleetcacheServer(tmp_path / "one", workers=1, fleet_log_url=redis_server.url, **often)
+    two = FleetcacheServer(tmp_path / "two", workers=1, fleet_log_url=redis_server.url)
+    try:
+        one.start()
+        fleet = [d.model_dump(mode="json") for d in generate_fleet(30, seed=4)]
+        for start in range(0, 30, 10):  # three changes, published and trimmed as they come
+            body = {"drivers": fleet[start : start + 10]}
+            assert httpx.put(f"{one.url}/v1/fleet/drivers", json=body).status_code == 200
+            time.sleep(1.0)
+
+        def trimmed() -> bool:
+            first = redis.xinfo_stream(STREAM).get("first-entry")
+            return redis.exists(f"{STREAM}:snapshot") == 1 and (first is None or first[0] != b"1-0")
+
+        eventually(trimmed, timeout_s=20)
+        two.start()  # change 1 is gone from the stream: only the snapshot has it
+        assert two.stats()["fleet"]["log_following"] is True
+        for driver in fleet:
+            assert record(two.url, driver["driver_id"]) == record(one.url, driver["driver_id"])
+        # and it follows the stream from there: a change through it reaches the other
+        row = {
+            "driver_id": fleet[0]["driver_id"],
+            "lat": 1.5,
+            "lng": 2.5,
+            "ts": "2027-01-01T00:00:00Z",
+        }
+        answer = httpx.patch(f"{two.url}/v1/fleet/positions", json={"positions": [row]})
+        assert answer.json()["updated"] == 1
+        eventually(lambda: record(one.url, row["driver_id"])["position"]["lat"] == 1.5)
+        assert one.stats()["fleet"]["seq"] == two.stats()["fleet"]["seq"]
+    finally:
+        one.stop()
+        two.stop()
+        redis.close()
+        redis_server.stop()
