@@ -85,6 +85,13 @@ SCALARS: tuple[tuple[str, str, str, Callable[[Stats], float]], ...] = (
      lambda s: float(s["cache"]["tiers"]["store"]["degraded"])),
     ("fleetcache_fleet_drivers", "gauge", "Drivers in the fleet index.",
      lambda s: s["fleet"]["drivers"]),
+    ("fleetcache_fleet_seq", "gauge",
+     "Number of the last fleet change the index applied (replicas of one fleet log converge).",
+     lambda s: s["fleet"]["seq"]),
+    ("fleetcache_fleet_log_following", "gauge",
+     "0 while this replica cannot follow the shared fleet log (FLEETCACHE_FLEET_LOG_URL): its "
+     "fleet writes are refused; 1 otherwise (also without a shared log).",
+     lambda s: float(s["fleet"]["log_following"] is not False)),
     ("fleetcache_uptime_seconds", "gauge", "Seconds since this worker started.",
      lambda s: s["uptime_s"]),
 )  # fmt: skip
