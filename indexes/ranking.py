@@ -1,11 +1,14 @@
-"""``recommend``'s ranking over the candidate slots a ``FleetTable`` found near the pickup.
+"""``recommend``'s ranking over the candidates a ``FleetTable`` found near the pickup.
 
-Three steps, each a handful of numpy operations over the table's columns and rows, read in
-place: ``eligible`` (constraint bits and cargo), then ``rank``: with many candidates an int8
-first pass (``indexes.quantized``) keeps only those that may reach the top k, then one FAISS
-inner-product call scores the survivors exactly, and ``top`` orders them by API.md's rules
-(similarity desc, distance asc, driver_id asc). The first pass drops only candidates that
-provably score below k others, so the answer is the same, bit for bit, with or without it.
+Candidates are rows of the geo grid's arena (``indexes.geo``), where each available driver's
+position, constraint bits, cargo limits and int8 vector lie in its cell's contiguous block.
+Three steps, each a handful of numpy operations read in place: ``eligible`` (constraint bits
+and cargo), then ``rank``: with many candidates an int8 first pass (``indexes.quantized``)
+keeps only those that may reach the top k, then one FAISS inner-product call scores the
+survivors exactly on the table's float32 rows, and ``top`` orders the best of them by API.md's
+rules (similarity desc, distance asc, driver_id asc; distances computed for those only). The
+first pass drops only candidates that provably score below k others, so the answer is the
+same, bit for bit, with or without it.
 
 The caller holds the table's lock: nothing here locks or changes anything.
 """
@@ -21,16 +24,17 @@ import numpy.typing as npt
 
 from features.constraints import CONSTRAINTS
 from features.models import DriverRecord, Order
-from indexes.columns import Columns
-from indexes.quantized import QuantizedRows
+from indexes.geo import GeoGrid
+from indexes.quantized import Quantizer
 
 Vectors = npt.NDArray[np.float32]
 Slots = npt.NDArray[np.int64]
 Distances = npt.NDArray[np.float64]
 
 # recommend scores up to this many candidates exactly in one pass; above it (and above 4 k),
-# an int8 first pass keeps only those that may reach the top k (a quarter of the bytes read).
-_EXACT_UP_TO = 2048
+# an int8 first pass keeps only those that may reach the top k: it reads a quarter of the
+# bytes, in the arena's contiguous runs, where exact scoring reads scattered float32 rows.
+_EXACT_UP_TO = 512
 
 
 @dataclass(frozen=True)
@@ -48,26 +52,27 @@ class Recommendation:
 
 
 def eligible(
-    cols: Columns,
+    grid: GeoGrid,
     constraints: tuple[str, ...],
-    slots: Slots,
+    rows: Slots,
     names: list[str],
     order: Order,
     record: Callable[[int], DriverRecord],
 ) -> npt.NDArray[np.bool_]:
-    """Which of ``slots`` satisfy every named constraint and the order's cargo (equal fits).
+    """Which of the arena ``rows`` satisfy every named constraint and the order's cargo
+    (equal fits).
 
-    ``constraints`` are the names behind the column bits; a name registered after the table
-    was built has no bit and is evaluated on ``record(slot)``.
+    ``constraints`` are the names behind the ``cbits`` bits; a name registered after the
+    table was built has no bit and is evaluated on ``record(slot)``.
     """
-    keep = np.ones(slots.size, dtype=bool)
+    keep = np.ones(rows.size, dtype=bool)
     mask = sum(1 << constraints.index(n) for n in names if n in constraints)
     if mask:
         need = np.uint64(mask)
-        keep &= (cols.cbits[slots] & need) == need
+        keep &= (grid.column("cbits")[rows] & need) == need
     cargo = order.cargo
     if cargo is not None:
-        limits = cols.cargo[slots]
+        limits = grid.column("cargo")[rows]
         keep &= (
             (limits[:, 0] >= cargo.weight_kg)
             & (limits[:, 1] >= cargo.volume_m3)
@@ -76,42 +81,70 @@ def eligible(
     for name in names:
         if name not in constraints:  # registered after this table was built
             pred = CONSTRAINTS[name]
-            keep &= [pred(record(s)) for s in slots.tolist()]
+            keep &= [pred(record(s)) for s in grid.column("ids")[rows].tolist()]
     return keep
 
 
 def rank(
-    rows: Vectors,
-    quant: QuantizedRows,
+    vectors: Vectors,
+    grid: GeoGrid,
+    quant: Quantizer,
     q: Vectors,
-    slots: Slots,
-    dist: Distances,
+    rows: Slots,
+    pickup: tuple[float, float],
     k: int,
     ids: Sequence[str],
     vehicles: Sequence[str],
 ) -> list[Candidate]:
-    """The best k of the eligible ``slots`` (``dist`` their distances), exactly."""
-    if slots.size > max(_EXACT_UP_TO, 4 * k):
+    """The best k of the eligible arena ``rows``, exactly (``vectors``: the table's rows, by
+    slot; ``pickup``: (lat, lng) distances are measured from)."""
+    if rows.size > max(_EXACT_UP_TO, 4 * k):
         # Many candidates: drop those that provably cannot reach the top k (ties included),
         # by int8 scores and their error bounds (``indexes.quantized``).
-        keep = may_reach_top(quant, q, slots, k)
-        slots, dist = slots[keep], dist[keep]
-    # Every remaining candidate gets a score (the tie rules need them all), computed in place
-    # in the flat index by FAISS's own kernel: bit-identical to what a FAISS search of the
-    # whole index reports for that driver (numpy's BLAS would round a row differently
-    # depending on its place in the batch).
-    sims = inner_products(rows, q, slots)
-    return top(slots, sims, dist, k, ids, vehicles)
+        rows = rows[may_reach_top(grid, quant, q, rows, k)]
+    return best_of(
+        vectors,
+        q,
+        grid.column("ids")[rows],
+        lambda chosen: grid.row_distances(rows[chosen], *pickup),
+        k,
+        ids,
+        vehicles,
+    )
 
 
-def may_reach_top(quant: QuantizedRows, q: Vectors, slots: Slots, k: int) -> npt.NDArray[np.bool_]:
-    """Which of ``slots`` (more than k) may be among the k best by exact score, ties
-    included: those whose upper bound reaches the k-th largest lower bound. Every other
+def best_of(
+    vectors: Vectors,
+    q: Vectors,
+    slots: Slots,
+    distances: Callable[[npt.NDArray[np.intp]], Distances],
+    k: int,
+    ids: Sequence[str],
+    vehicles: Sequence[str],
+) -> list[Candidate]:
+    """The best k of ``slots`` (every candidate that may reach the top k, and maybe more)
+    by exact score; ``distances(i)`` gives the distances of ``slots[i]``."""
+    # Every candidate gets a score (the tie rules need them all), computed in place in the
+    # flat index by FAISS's own kernel: bit-identical to what a FAISS search of the whole
+    # index reports for that driver (numpy's BLAS would round a row differently depending
+    # on its place in the batch).
+    sims = inner_products(vectors, q, slots)
+    chosen = np.arange(slots.size)
+    if slots.size > k:  # only the k best and those tied with the k-th can be chosen
+        chosen = np.flatnonzero(sims >= -np.partition(-sims, k - 1)[k - 1])
+    return top(slots[chosen], sims[chosen], distances(chosen), k, ids, vehicles)
+
+
+def may_reach_top(
+    grid: GeoGrid, quant: Quantizer, q: Vectors, rows: Slots, k: int
+) -> npt.NDArray[np.bool_]:
+    """Which of the arena ``rows`` (more than k) may be among the k best by exact score,
+    ties included: those whose upper bound reaches the k-th largest lower bound. Every other
     one scores strictly below at least k candidates, so it is in no top k."""
-    approx = quant.scores(q, slots)
-    eps = quant.bounds(q, slots)
+    approx = quant.scores(grid.column("codes"), grid.column("scale"), q, rows)
+    eps = quant.bounds(grid.column("err"), q, rows)
     lower = approx - eps
-    kth_lower = np.partition(lower, slots.size - k)[slots.size - k]
+    kth_lower = np.partition(lower, rows.size - k)[rows.size - k]
     return approx + eps >= kth_lower
 
 

@@ -17,9 +17,14 @@ stored time, the ``ts`` column, is stale and ignored) change the columns and the
 the vectors nor the JSON: a record read later gets its live status and position laid over the
 stored JSON (``_record``).
 
-``recommend`` gathers the slots the grid finds near the pickup (exact haversine), then
-``indexes.ranking`` filters them by constraint bits and cargo and ranks them, reading the rows
-in place; the answer is exact, bit for bit.
+The grid keeps, beside each available driver's position, what ``recommend`` reads of it
+(int8 vector, constraint bits, cargo limits) in its cell's contiguous block of an arena
+(``indexes.geo``), however the table's own rows are ordered: ``recommend`` takes the arena
+rows within the radius, then ``indexes.ranking`` filters them by constraint bits and cargo,
+drops those an int8 first pass proves out of the top k, and scores the rest exactly on the
+table's float32 rows; the answer is exact, bit for bit. ``recommend_many`` answers a batch of
+orders the same way, with the first pass for the whole batch on a CUDA device when the table
+has one (``device=``, ``indexes.gpu.DeviceFleet``).
 
 With faiss-gpu and a GPU, unrestricted ``search`` runs on a GPU replica of the flat index,
 rebuilt after vectors change (``gpu=True`` requires it, ``None`` uses it when present).
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import threading
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
@@ -51,12 +57,14 @@ import numpy as np
 import numpy.typing as npt
 
 from features.constraints import CONSTRAINTS, Predicate, check_constraints
+from features.geo import EARTH_RADIUS_KM, haversine_km_many
 from features.models import DriverRecord, Order, Position, Status
 from indexes import gpu, ranking, snapshot
+from indexes import gpu as gpu_module
 from indexes.columns import MAX_TS_US, MIN_TS_US, Columns, datetime_of, timestamp_us
 from indexes.errors import FleetIndexError, SnapshotError, VectorError
-from indexes.geo import GeoGrid
-from indexes.quantized import QuantizedRows
+from indexes.geo import COS_BAND, GeoGrid, unit_vectors
+from indexes.quantized import Quantizer
 from indexes.ranking import Recommendation, Slots, Vectors
 
 STATUSES: tuple[str, ...] = get_args(Status)
@@ -135,7 +143,14 @@ class Moved:
 class FleetTable:
     """Drivers, their unit embedding vectors and positions; see the module docstring."""
 
-    def __init__(self, dim: int, *, cell_deg: float = CELL_DEG, gpu: bool | None = None) -> None:
+    def __init__(
+        self,
+        dim: int,
+        *,
+        cell_deg: float = CELL_DEG,
+        gpu: bool | None = None,
+        device: str | None = None,
+    ) -> None:
         if isinstance(dim, bool) or not isinstance(dim, int | np.integer) or dim <= 0:
             raise ValueError(f"dim must be a positive int, got {dim!r}")
         self._dim = dim = int(dim)
@@ -143,10 +158,25 @@ class FleetTable:
         self._save_lock = threading.Lock()
         self._flat = faiss.IndexFlatIP(dim)
         self._replica = _replica_for(gpu)
+        # recommend_many's first pass on a CUDA device (``indexes.gpu.DeviceFleet``).
+        self._device = (
+            None
+            if device is None
+            else gpu_module.DeviceFleet(dim, device, _UNIT_TOLERANCE, COS_BAND)
+        )
         self._next_id = 0
         self._seq = 0  # number of the last change applied (``applying``); 0: none
         self._epoch = 0  # bumped whenever a vector or the slot layout changes
-        self._grid = GeoGrid(cell_deg)  # available drivers only
+        self._quant = Quantizer(dim, _UNIT_TOLERANCE)  # int8 rows, recommend's first pass
+        # Available drivers only, each with what recommend reads (its cell's rows contiguous).
+        self._grid = GeoGrid(
+            cell_deg,
+            payload={
+                **self._quant.payload,
+                "cbits": ((), np.uint64),
+                "cargo": ((3,), np.float64),
+            },
+        )
         self._constraints: tuple[str, ...] = tuple(CONSTRAINTS)[:_MAX_BITS]
         self._vocabulary = zlib.crc32(json.dumps([STATUSES, self._constraints]).encode())
         self._slot_of: dict[str, int] = {}
@@ -154,7 +184,6 @@ class FleetTable:
         self._vehicles: list[str] = []  # slot -> vehicle_id
         self._json: list[bytes] = []  # slot -> record as upserted
         self._cols = Columns.empty(0)
-        self._quant = QuantizedRows(dim, _UNIT_TOLERANCE)  # int8 rows, recommend's first pass
 
     def __repr__(self) -> str:
         return f"FleetTable(dim={self._dim}, drivers={len(self)})"
@@ -273,9 +302,7 @@ class FleetTable:
             self._next_id += len(ids)
             cols = self._cols = self._cols.grown(n)
             cols.put(slots, fids, fields, blobs)
-            self._quant.grow(n)
-            self._quant.put(slots, vecs)
-            self._sync_grid(slots)
+            self._sync_grid(slots, fresh=True)
 
     def update_driver(
         self, driver_id: str, *, position: Position | None = None, status: str | None = None
@@ -310,10 +337,7 @@ class FleetTable:
                 # Constraints read the slowly-changing parts today; recomputed on a status
                 # change anyway, so a constraint on status could not go stale.
                 cols.cbits[slot] = self._constraint_bits([record])[0]
-            if cols.status[slot] == _AVAILABLE:
-                self._grid.move(slot, cols.lat[slot], cols.lng[slot])
-            else:
-                self._grid.remove(slot)
+            self._sync_grid(np.array([slot]), fresh=status is not None)
             return record
 
     def update_positions(
@@ -398,21 +422,23 @@ class FleetTable:
                 cols.lng[moved] = ln[win]
                 cols.ts[moved] = ts[win]
                 cols.moved[moved] = True
-                if codes is not None:
-                    self._set_statuses(moved, codes[win])
-                self._sync_grid(moved)
+                fresh = False if codes is None else self._set_statuses(moved, codes[win])
+                self._sync_grid(moved, fresh=fresh)
             return Moved(applied, stale, unknown)
 
-    def _set_statuses(self, slots: Slots, codes: npt.NDArray[np.int8]) -> None:
+    def _set_statuses(
+        self, slots: Slots, codes: npt.NDArray[np.int8]
+    ) -> npt.NDArray[np.bool_] | bool:
         """Status codes of distinct slots (-1: leave it), constraint bits recomputed as
-        ``update_driver`` does; the caller syncs the grid."""
+        ``update_driver`` does; returns which slots changed (for ``_sync_grid``)."""
         change = codes >= 0
         if not change.any():
-            return
+            return False
         slots = slots[change]
         self._cols.status[slots] = codes[change]
         records = [self._record(s) for s in slots.tolist()]
         self._cols.cbits[slots] = self._constraint_bits(records)
+        return change
 
     def delete_driver(self, driver_id: str) -> bool:
         with self._lock:
@@ -446,26 +472,44 @@ class FleetTable:
         lat, lng, radius = order.pickup.lat, order.pickup.lng, order.radius_km
         with self._lock:
             grid = self._grid
-            slots = grid.near(lat, lng, radius)  # available; ascending: rows read in order
-            dist = grid.distances(slots, lat, lng)
-            inside = dist <= radius
-            slots, dist = slots[inside], dist[inside]
-            considered = int(slots.size)
-            # status: the grid holds available drivers only
-            keep = ranking.eligible(
-                self._cols, self._constraints, slots, names, order, self._record
-            )
+            # Arena rows of the available drivers in the circle (the grid holds no other),
+            # ascending: a few contiguous runs, one per cell.
+            rows = grid.within_rows(lat, lng, radius)
+            keep = ranking.eligible(grid, self._constraints, rows, names, order, self._record)
             best = ranking.rank(
                 self._rows(),
+                grid,
                 self._quant,
                 q,
-                slots[keep],
-                dist[keep],
+                rows[keep],
+                (lat, lng),
                 order.k,
                 self._ids,
                 self._vehicles,
             )
-            return Recommendation(best, considered)
+            return Recommendation(best, int(rows.size))
+
+    def recommend_many(
+        self, orders: Sequence[Order], queries: Sequence[npt.ArrayLike]
+    ) -> list[Recommendation]:
+        """``recommend(orders[i], queries[i])`` for each order, bit for bit. With a device
+        (``FleetTable(..., device="cuda")``) the batch shares one first pass there
+        (``indexes.gpu``): batch concurrent orders into one call. Orders naming a constraint
+        registered after the table was built run on the CPU."""
+        if len(orders) != len(queries):
+            raise ValueError(f"{len(orders)} orders but {len(queries)} query vectors")
+        names = [check_constraints(o.constraints) for o in orders]
+        qs = [self._check_query(q) for q in queries]
+        if self._device is None:
+            return [self.recommend(o, q) for o, q in zip(orders, qs, strict=True)]
+        with self._lock:
+            self._device.sync(len(self), self._device_columns)
+            here = [i for i, nm in enumerate(names) if set(nm) <= set(self._constraints)]
+            batch = [self._device_query(orders[i], names[i], qs[i]) for i in here]
+            out: list[Recommendation | None] = [None] * len(orders)
+            for i, passed in zip(here, self._device.first_pass(batch), strict=True):
+                out[i] = self._finish_on_device(orders[i], qs[i], passed)
+            return [self.recommend(orders[i], qs[i]) if r is None else r for i, r in enumerate(out)]
 
     def records(
         self, driver_ids: Iterable[str] | None = None, where: Predicate | None = None
@@ -509,10 +553,8 @@ class FleetTable:
         the last change it holds (``seq``).
 
         Rows are written in grid-cell order, so a loaded table holds neighbours' vectors next
-        to each other: ``recommend`` then reads its candidates' rows in a few runs instead of
-        scattered over the whole matrix (measured 2x faster at 1,000,000 drivers). Upserts
-        append and moves keep rows, so a live table drifts from that order until it is
-        saved and loaded again.
+        to each other (``recommend`` reads its candidates in the grid's arena, in cell order
+        live or loaded; the exact scores of the few that pass its first pass read these rows).
 
         The state is copied without holding the table's lock for long: the columns and the
         slot lists under it (tens of milliseconds at 1,000,000 drivers), then the vectors in
@@ -534,10 +576,16 @@ class FleetTable:
 
     @classmethod
     def load(
-        cls, directory: Path | str, dim: int, *, cell_deg: float = CELL_DEG, gpu: bool | None = None
+        cls,
+        directory: Path | str,
+        dim: int,
+        *,
+        cell_deg: float = CELL_DEG,
+        gpu: bool | None = None,
+        device: str | None = None,
     ) -> FleetTable:
         """The table saved in ``directory``; an empty table when there is no snapshot."""
-        table = cls(dim, cell_deg=cell_deg, gpu=gpu)
+        table = cls(dim, cell_deg=cell_deg, gpu=gpu, device=device)
         snap = snapshot.read(Path(directory))
         if snap is None:
             return table
@@ -551,10 +599,15 @@ class FleetTable:
 
     @classmethod
     def from_snapshot(
-        cls, snap: snapshot.Snapshot, *, cell_deg: float = CELL_DEG, gpu: bool | None = None
+        cls,
+        snap: snapshot.Snapshot,
+        *,
+        cell_deg: float = CELL_DEG,
+        gpu: bool | None = None,
+        device: str | None = None,
     ) -> FleetTable:
         """A table holding ``snap`` (of the snapshot's own dimension)."""
-        table = cls(snap.dim, cell_deg=cell_deg, gpu=gpu)
+        table = cls(snap.dim, cell_deg=cell_deg, gpu=gpu, device=device)
         table._restore(snap)
         return table
 
@@ -595,12 +648,7 @@ class FleetTable:
             # chunk by chunk regrew and copied the whole array ~log2(n) times.
             self._flat.codes.resize(n * self._flat.code_size)
             self._flat.ntotal = n
-            rows = self._rows()
-            self._quant.grow(n)
-            for start in range(0, n, 4096):  # chunks that stay in the cache while quantised
-                part = slice(start, start + 4096)
-                rows[part] = snap.vectors[part]
-                self._quant.put(np.arange(start, min(n, start + 4096)), rows[part])
+            self._rows()[:] = snap.vectors
             self._next_id = snap.next_id
             self._seq = snap.seq
             self._ids = snap.driver_ids
@@ -612,12 +660,58 @@ class FleetTable:
             self._cols = snap.columns
             if snap.statuses != STATUSES:  # saved by a version with another status vocabulary
                 self._cols.status[:n] = _status_codes(snap.statuses)[self._cols.status[:n]]
-            self._sync_grid(np.arange(n))
             if snap.constraints != self._constraints:  # another vocabulary: recompute the bits
                 self._cols.cbits[:n] = self._constraint_bits([self._record(s) for s in range(n)])
+            self._sync_grid(np.arange(n), fresh=True)
             self._vectors_changed()
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _device_query(self, order: Order, names: list[str], q: Vectors) -> gpu_module.Query:
+        lat, lng = order.pickup.lat, order.pickup.lng
+        cargo = order.cargo
+        return gpu_module.Query(
+            centre=unit_vectors(np.array([lat]), np.array([lng]))[0],
+            limit=math.cos(order.radius_km / EARTH_RADIUS_KM),
+            mask=sum(1 << self._constraints.index(n) for n in names),
+            cargo=None if cargo is None else (cargo.weight_kg, cargo.volume_m3, cargo.height_m),
+            vector=q,
+            k=order.k,
+        )
+
+    def _finish_on_device(
+        self, order: Order, q: Vectors, passed: gpu_module.Passed
+    ) -> Recommendation:
+        """The answer from a first pass on the device: the haversine test for the drivers
+        near the circle, then exact scores and distances on the CPU as ``recommend``."""
+        lat, lng, radius = order.pickup.lat, order.pickup.lng, order.radius_km
+        cols, band, slots = self._cols, passed.band, passed.slots
+        out = band[:0]
+        if band.size:  # rare: a driver within ~1e-12 of the circle in cos(d / R)
+            out = band[haversine_km_many(lat, lng, cols.lat[band], cols.lng[band]) > radius]
+            slots = slots[~np.isin(slots, out)]
+        best = ranking.best_of(
+            self._rows(),
+            q,
+            slots,
+            lambda i: haversine_km_many(lat, lng, cols.lat[slots[i]], cols.lng[slots[i]]),
+            order.k,
+            self._ids,
+            self._vehicles,
+        )
+        return Recommendation(best, passed.inside + band.size - out.size)
+
+    def _device_columns(self, slots: Slots, with_vectors: bool) -> gpu_module.Columns:
+        cols = self._cols
+        values = {
+            "xyz": unit_vectors(cols.lat[slots], cols.lng[slots]),
+            "available": cols.status[slots] == _AVAILABLE,
+            "cbits": cols.cbits[slots],
+            "cargo": cols.cargo[slots],
+        }
+        if with_vectors:
+            values["vectors"] = self._rows()[slots]
+        return values
 
     def _vectors_changed(self) -> None:
         self._epoch += 1  # a save copying vectors outside the lock starts over
@@ -681,7 +775,7 @@ class FleetTable:
         order = sorted(set(slots), reverse=True)
         if not order:
             return
-        rows, cols, grid, quant = self._rows(), self._cols, self._grid, self._quant
+        rows, cols, grid = self._rows(), self._cols, self._grid
         ids, vehicles, blobs, slot_of = self._ids, self._vehicles, self._json, self._slot_of
         for slot in order:
             last = len(ids) - 1
@@ -689,15 +783,16 @@ class FleetTable:
             grid.remove(slot)
             if slot != last:
                 rows[slot] = rows[last]
-                quant.copy_row(last, slot)
                 cols.copy_row(last, slot)
                 moved_id = ids[slot] = ids[last]
                 vehicles[slot] = vehicles[last]
                 blobs[slot] = blobs[last]
                 slot_of[moved_id] = slot
-                if grid.remove(last):
-                    grid.move(slot, cols.lat[slot], cols.lng[slot])
+                if last in grid:
+                    grid.rename(last, slot)  # its arena row (and int8 vector) stays
             cols.clear_row(last)
+            if self._device is not None:
+                self._device.touch([slot, last], vectors=True)
             ids.pop()
             vehicles.pop()
             blobs.pop()
@@ -707,18 +802,35 @@ class FleetTable:
         self._flat.ntotal = n
         self._vectors_changed()
 
-    def _sync_grid(self, slots: Slots) -> None:
+    def _sync_grid(self, slots: Slots, fresh: npt.NDArray[np.bool_] | bool = False) -> None:
         """Make the grid hold exactly the available ones of ``slots`` (distinct), at their
-        column positions."""
+        column positions, with what ``recommend`` reads of them: written for those entering
+        and for those ``fresh`` marks (their vector, bits or cargo changed)."""
         cols, grid = self._cols, self._grid
+        if self._device is not None:
+            self._device.touch(slots, vectors=fresh is True)
         available = cols.status[slots] == _AVAILABLE
         inside = grid.contains_many(slots)
         for slot in slots[inside & ~available].tolist():
             grid.remove(slot)
         stay = slots[inside & available]
         grid.move_many(stay, cols.lat[stay], cols.lng[stay])
-        enter = slots[~inside & available]
-        grid.insert_many(enter, cols.lat[enter], cols.lng[enter])
+        enter = ~inside & available
+        grid.insert_many(slots[enter], cols.lat[slots[enter]], cols.lng[slots[enter]])
+        self._fill_grid(slots[available & (enter | fresh)])
+
+    def _fill_grid(self, slots: Slots) -> None:
+        """Write the grid's payload of ``slots`` (in the grid) from the table, in chunks
+        that stay in the cache while quantised."""
+        rows, cols, grid = self._rows(), self._cols, self._grid
+        for start in range(0, slots.size, 4096):
+            part = slots[start : start + 4096]
+            codes, scale, err = self._quant.encode(rows[part])
+            grid.put(part, "codes", codes)
+            grid.put(part, "scale", scale)
+            grid.put(part, "err", err)
+            grid.put(part, "cbits", cols.cbits[part])
+            grid.put(part, "cargo", cols.cargo[part])
 
     def _search_all(self, q: Vectors, k: int) -> list[tuple[int, float]]:
         """(slot, score) of the k best drivers: a FAISS search of the whole flat index."""

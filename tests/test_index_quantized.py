@@ -101,8 +101,10 @@ def test_when_every_candidate_survives_the_bound_the_answer_is_still_exact(
     table, fleet = build(recs, vecs)
     o = order(radius_km=50.0, k=25)
     q = quantized_unit(3)  # scores are exact in float32 and float64 alike: 1.0
-    slots = np.arange(len(table))
-    assert ranking.may_reach_top(table._quant, q, slots, o.k).all()  # the premise of this test
+    rows = table._grid.within_rows(SHANGHAI[0], SHANGHAI[1], o.radius_km)
+    assert rows.size == len(table)
+    premise = ranking.may_reach_top(table._grid, table._quant, q, rows, o.k)
+    assert premise.all()  # the premise of this test
     got = table.recommend(o, q)
     assert got.considered == len(recs)
     assert got == plain(table, patcher, o, q)
