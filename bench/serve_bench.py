@@ -7,7 +7,12 @@ the same app in one process, ``create_app`` under uvicorn, as v1 ran) on a fresh
 - all-hit requests (``bench/wrk/hits.lua``: 32 texts from a prefilled pool of 4,096, base64),
   with a second wrk on ``/healthz`` beside them: req/s, texts/s, p50/p99, and the probe's p99
   under that load against idle;
-- all-miss requests (``misses.lua``: 32 texts never seen before): texts/s, p50/p99;
+- all-miss requests (``misses.lua``: 32 texts never seen before, in every run): texts/s,
+  p50/p99, and how many texts each engine process took;
+- with ``--devices D ...``: each layout once per ``FLEETCACHE_DEVICE`` value (``cuda`` vs
+  ``cuda:0,cuda:0``: one engine process or two on one GPU); with ``--kill-engine`` a
+  layout of several engine processes runs its misses once more and kills the second engine
+  (SIGKILL) a third of the way in: wrk's failed requests, and the seconds until it is back;
 - with ``--warmup N``: N new drivers POSTed to ``/v1/warmup`` (a job process), timed to
   ``done``, with wrk sending cached lookups (8 connections) beside it: their p99 during the
   job against the same load alone; and the plain tokenizer's ceiling on all cores over the
@@ -21,6 +26,8 @@ ceiling the all-miss figure is compared with.
     .venv/bin/python -m bench.serve_bench --workers 1 2 --single --runs 3         # this box
     python -m bench.serve_bench --engine torch --device cuda --model M --workers 4 8 \\
         --single --batcher --warmup 100000 --wrk-cpus 12-15 --connections 64      # the H200
+    python -m bench.serve_bench --engine torch --model M --workers 12 --devices cuda \\
+        cuda:0,cuda:0 --skip-hits --kill-engine --connections 128 --wrk-cpus 12-15   # engines
 
 Needs ``wrk`` on PATH (Debian package wrk) or ``--wrk``. Not a test.
 """
@@ -31,6 +38,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -186,8 +194,10 @@ def measure_layout(
     args: argparse.Namespace, workers: int, settings: dict[str, str], wrk: Wrk, out: Path
 ) -> dict[str, Any]:
     name = f"{workers} workers" if workers else "one process"
+    name += f", device {settings['device']}" if len(args.devices) > 1 else ""
+    tag = f"{workers}-{settings['device'].replace(',', '_').replace(':', '')}"
     data_dir = Path(tempfile.mkdtemp(prefix="fleetcache-bench-"))
-    server = Server(workers, data_dir, settings, out / f"server-{workers}.log", args.server_cpus)
+    server = Server(workers, data_dir, settings, out / f"server-{tag}.log", args.server_cpus)
     try:
         started = time.monotonic()
         server.wait_ready()
@@ -197,14 +207,25 @@ def measure_layout(
         idle = wrk.run("healthz.lua", url, 4, min(d, 4))
         runs: dict[str, list[dict[str, float]]] = {"hits": [], "probe": [], "misses": []}
         for run in range(args.runs):
-            probe = wrk.start("healthz.lua", url, 2, d)
-            runs["hits"].append(wrk.run("hits.lua", url, c, d, POOL=str(POOL), FMT="base64"))
-            runs["probe"].append(wrk.result(probe))
+            if not args.skip_hits:
+                probe = wrk.start("healthz.lua", url, 2, d)
+                runs["hits"].append(wrk.run("hits.lua", url, c, d, POOL=str(POOL), FMT="base64"))
+                runs["probe"].append(wrk.result(probe))
             with profiled(args, server, out / f"profile-misses-{workers}.txt", run == 0):
-                runs["misses"].append(wrk.run("misses.lua", url, c, d, FMT="base64"))
+                runs["misses"].append(
+                    wrk.run("misses.lua", url, c, d, FMT="base64", SALT=f"r{run}-")
+                )
+        engines = server.stats()["processes"]["engines"]
+        killed = None
+        if args.kill_engine and len(engines) > 1:
+            killed = kill_engine_under_load(server, wrk, c, d)
         stats = server.stats()
         row: dict[str, Any] = {"layout": name, "ready_s": ready_s, "idle_probe_p99": idle["p99_ms"]}
+        row["device_items"] = [device["items"] for device in stats["inference"]["devices"]]
+        row["killed"] = killed
         for phase, results in runs.items():
+            if not results:
+                results = [dict.fromkeys(("req_s", "p50_ms", "p99_ms", "errors"), 0.0)]
             row[phase] = {
                 "req_s": median([r["req_s"] for r in results]),
                 "p50_ms": median([r["p50_ms"] for r in results]),
@@ -217,12 +238,32 @@ def measure_layout(
         row["per_worker_requests"] = [w["requests"] for w in stats["processes"]["workers"]]
         if args.warmup and workers:
             row["warmup"] = measure_warmup(args, server, wrk, out)
-        (out / f"stats-{workers}.json").write_text(json.dumps(stats, indent=1))
+        (out / f"stats-{tag}.json").write_text(json.dumps(stats, indent=1))
         return row
     finally:
         server.stop()
         shutil.rmtree(data_dir, ignore_errors=True)
         print(f"{name}: measured", file=sys.stderr)
+
+
+def kill_engine_under_load(server: Server, wrk: Wrk, connections: int, seconds: float) -> Any:
+    """All-miss load; a third of the way in, the second engine process gets SIGKILL. What
+    wrk saw (failed requests), and the seconds until that engine answered again."""
+    victim = server.stats()["processes"]["engines"][1]["pid"]
+    load = wrk.start("misses.lua", server.url, connections, seconds, FMT="base64", SALT="kill-")
+    time.sleep(seconds / 3)
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.monotonic()
+    result = Wrk.result(load)
+    back_s = None
+    while time.monotonic() - killed_at < 120:
+        stats = server.stats()
+        engine, device = stats["processes"]["engines"][1], stats["inference"]["devices"][1]
+        if engine["pid"] != victim and device["up"]:
+            back_s = time.monotonic() - killed_at
+            break
+        time.sleep(0.2)
+    return {**result, "back_s": back_s}
 
 
 def run_job(server: Server, fleet: Path) -> dict[str, Any]:
@@ -362,9 +403,9 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
     print(
         "\n| layout | ready s | hits req/s | hit texts/s | hit p50 / p99 ms (worst) | "
         "probe p99 idle -> under hits ms | miss texts/s | miss p50 / p99 ms | "
-        "misses / batcher | items == misses | per-worker requests |"
+        "misses / batcher | items == misses | per-worker requests | items per engine |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         hits, probe, misses = r["hits"], r["probe"], r["misses"]
         ratio = f"{misses['req_s'] * 32 / batcher:.2f}" if batcher else "-"
@@ -374,8 +415,18 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
             f"({hits['worst_p99_ms']:.1f}) | {r['idle_probe_p99']:.2f} -> {probe['p99_ms']:.2f} "
             f"({probe['p99_ms'] / max(r['idle_probe_p99'], 1e-6):.1f}x) | "
             f"{misses['req_s'] * 32:,.0f} | {misses['p50_ms']:.1f} / {misses['p99_ms']:.1f} | "
-            f"{ratio} | {r['items_equal_misses']} | {r['per_worker_requests']} |"
+            f"{ratio} | {r['items_equal_misses']} | {r['per_worker_requests']} | "
+            f"{r['device_items']} |"
         )
+    for r in rows:
+        k = r["killed"]
+        if k:
+            print(
+                f"\n{r['layout']}: engine 1 killed under all-miss load: {k['requests']:.0f} "
+                f"requests, {k['errors']:.0f} failed ({k['non2xx']:.0f} non-2xx), "
+                f"{k['req_s'] * 32:,.0f} texts/s, p99 {k['p99_ms']:.1f} ms; back in "
+                f"{k['back_s'] if k['back_s'] is None else round(k['back_s'], 1)} s"
+            )
     errors = {r["layout"]: sum(r[p]["errors"] for p in ("hits", "probe", "misses")) for r in rows}
     print(f"\nwrk errors (connect/read/write/timeout/non-2xx): {errors}")
     warm = [r for r in rows if "warmup" in r]
@@ -412,6 +463,9 @@ def main() -> None:
     parser.add_argument("--serve-single", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--engine", default="fake")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--devices", nargs="*", default=None, help="FLEETCACHE_DEVICE values")
+    parser.add_argument("--skip-hits", action="store_true", help="misses only")
+    parser.add_argument("--kill-engine", action="store_true", help="kill engine 1 under misses")
     parser.add_argument("--model", default=None, help="model dir (default: the packaged one)")
     parser.add_argument("--store", default="lmdb")
     parser.add_argument("--max-batch-size", type=int, default=256)
@@ -441,14 +495,15 @@ def main() -> None:
     }
     if args.model:
         settings["model_path"] = args.model
+    args.devices = args.devices or [args.device]
     wrk = Wrk(args.wrk, args.wrk_threads, args.wrk_cpus)
     with out_dir(args.out) as out:
         batcher = batcher_alone(args, settings) if args.batcher else None
         layouts = ([0] if args.single else []) + list(args.workers)
         rows = []
-        for workers in layouts:
+        for workers, device in itertools.product(layouts, args.devices):
             try:
-                rows.append(measure_layout(args, workers, settings, wrk, out))
+                rows.append(measure_layout(args, workers, {**settings, "device": device}, wrk, out))
             except (Exception, SystemExit) as exc:  # report the layouts that did run
                 print(f"layout with {workers} workers failed: {exc!r}"[:4000], file=sys.stderr)
         report(rows, batcher, args)

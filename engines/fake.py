@@ -19,15 +19,28 @@ from engines.base import Batch, Engine, EngineError, EngineInfo, Vectors, make_f
 
 
 class FakeEngine(Engine):
-    """Hash-seeded unit vectors; ``delay_s`` slows ``forward``, ``fail_on`` makes it raise."""
+    """Hash-seeded unit vectors; ``delay_s`` slows ``forward``, ``fail_on`` makes it raise.
+    ``device`` is a name only (``cpu`` or ``cpu:N``): it runs on the CPU whatever it says, so
+    that tests can run one fake engine process per "device" of a list; it is not part of the
+    fingerprint, so every such device shares one cache namespace."""
 
-    def __init__(self, dim: int = 384, delay_s: float = 0.0, fail_on: str | None = None) -> None:
+    def __init__(
+        self,
+        dim: int = 384,
+        delay_s: float = 0.0,
+        fail_on: str | None = None,
+        device: str = "cpu",
+    ) -> None:
         if dim <= 0:
             raise ValueError(f"dim must be positive, got {dim}")
+        if device == "auto":
+            device = "cpu"
+        if device != "cpu" and not (device.startswith("cpu:") and device[4:].isdigit()):
+            raise ValueError(f"the fake engine's device is 'cpu' or 'cpu:N', got {device!r}")
         model = f"fake-hash-{dim}"
         self.info = EngineInfo(
             kind="fake",
-            device="cpu",
+            device=device,
             precision="fp32",
             model=model,
             dim=dim,

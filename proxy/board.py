@@ -23,7 +23,11 @@ Regions of one board (float64 unless said)::
     recent     RECENT histograms x RECENT_SLOTS one-minute slots x (minute, buckets...):
                p50 / p99 of the last five minutes, from merged histograms (API.md v1.1)
     histograms HISTOGRAMS x label sets x (buckets..., sum): Prometheus histograms (/metrics)
-    processes  the supervisor's: a pid and a restart count per worker slot, engine, index
+    processes  the supervisor's: a pid and a restart count per worker slot, engine (one per
+               device of FLEETCACHE_DEVICE), index
+
+An engine process's header also says which engine of the device list it is, so that
+``/v1/stats`` and ``/metrics`` can count per device.
 
 Single-process use (tests, ``create_app`` without the supervisor) gets an anonymous board and
 a reader over that one board: the same code answers either way.
@@ -47,7 +51,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-MAGIC = 0x464C_4243_0002  # "FLBC" + layout version: a reader skips boards of another layout
+from proxy.settings import MAX_DEVICES
+
+MAGIC = 0x464C_4243_0003  # "FLBC" + layout version: a reader skips boards of another layout
 SCALARS: tuple[str, ...] = (
     "cache.hits",
     "cache.coalesced",
@@ -154,7 +160,7 @@ HISTOGRAMS: tuple[HistogramSpec, ...] = (
 )
 MAX_WORKER_SLOTS = 64
 ROLES = ("supervisor", "engine", "index", "worker", "job")
-_HEADER = 8  # float64 slots: magic, pid, role, started (wall clock), reserved
+_HEADER = 8  # float64 slots: magic, pid, role, started (wall clock), engine index, reserved
 
 
 def _layout() -> dict[str, tuple[int, tuple[int, ...]]]:
@@ -166,7 +172,8 @@ def _layout() -> dict[str, tuple[int, tuple[int, ...]]]:
         "callers": (MAX_CALLERS, 3),
         "windows": (WINDOW_S, 3),
         "recent": (len(RECENT), RECENT_SLOTS, 1 + len(RECENT_BOUNDS_MS) + 1),
-        "processes": (MAX_WORKER_SLOTS + 2, 2),  # (pid, restarts); worker slots, engine, index
+        # (pid, restarts): worker slots, engine slots (one per device), index
+        "processes": (MAX_WORKER_SLOTS + MAX_DEVICES + 1, 2),
     }
     for i, spec in enumerate(HISTOGRAMS):
         regions[f"hist{i}"] = (len(spec.label_sets), len(spec.buckets) + 2)  # buckets, +Inf, sum
@@ -200,7 +207,8 @@ class Board:
     """This process's board. Writes take a lock (the engine thread and the event loop both
     count); every value is one aligned float64, so a reader never sees half a number."""
 
-    def __init__(self, role: str, directory: Path | None = None) -> None:
+    def __init__(self, role: str, directory: Path | None = None, engine: int = 0) -> None:
+        """``engine``: which engine of the device list this process runs (role engine)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.role = role
@@ -221,7 +229,7 @@ class Board:
         self._names = memoryview(self._buffer)[_FLOATS * 8 :]
         self._callers: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._r["header"][:4] = (MAGIC, os.getpid(), ROLES.index(role), time.time())
+        self._r["header"][:5] = (MAGIC, os.getpid(), ROLES.index(role), time.time(), engine)
 
     def close(self) -> None:
         if self._fd is not None:
@@ -296,12 +304,16 @@ class Board:
             counts[-1] += value
 
     def process(self, slot: int, pid: int, restarts: int) -> None:
-        """The supervisor's record of a process: worker slots 0.., then ENGINE, INDEX."""
+        """The supervisor's record of a process: worker slots 0.., ``engine_slot(k)``, INDEX."""
         self._r["processes"][slot] = (pid, restarts)
 
 
-ENGINE_SLOT = MAX_WORKER_SLOTS
-INDEX_SLOT = MAX_WORKER_SLOTS + 1
+ENGINE_SLOT = MAX_WORKER_SLOTS  # the first engine's; engine k: engine_slot(k)
+INDEX_SLOT = MAX_WORKER_SLOTS + MAX_DEVICES
+
+
+def engine_slot(engine: int) -> int:
+    return ENGINE_SLOT + engine
 
 
 @dataclass(frozen=True)
@@ -311,6 +323,7 @@ class BoardView:
     role: str
     pid: int
     started: float
+    engine: int  # which engine of the device list (role engine)
     alive: bool
     regions: dict[str, npt.NDArray[np.float64]]
     callers: list[str]
@@ -327,7 +340,13 @@ def _view(buffer: Any, alive: bool) -> BoardView | None:
         raw[i * CALLER_BYTES : (i + 1) * CALLER_BYTES].rstrip(b"\0").decode("utf-8", "replace")
         for i in range(MAX_CALLERS)
     ]
-    return BoardView(ROLES[int(header[2])], int(header[1]), float(header[3]), alive, regions, names)
+    role, pid, started, engine = (
+        ROLES[int(header[2])],
+        int(header[1]),
+        float(header[3]),
+        int(header[4]),
+    )
+    return BoardView(role, pid, started, engine, alive, regions, names)
 
 
 def _alive(path: Path) -> bool:
@@ -452,8 +471,25 @@ class Totals:
             out.append(float(math.sqrt(lower * upper) if lower else upper))
         return out
 
-    def processes(self) -> dict[str, Any]:
-        """``/v1/stats`` ``processes``: the supervisor's record, each worker's requests."""
+    def per_engine(self, engines: int) -> list[dict[str, float]]:
+        """Each engine's counters (SCALARS, a process that died included) and gauges (live
+        ones), by its place in the device list; in one process, everything is engine 0's."""
+        out = [dict.fromkeys((*SCALARS, *GAUGES), 0.0) for _ in range(engines)]
+        views = [v for v in self.views if v.role == "engine" and v.engine < engines]
+        if not views and engines == 1:
+            return [{**self.scalars, **self.gauges}]
+        for view in views:
+            counts = out[view.engine]
+            for name, value in zip(SCALARS, view.regions["scalars"].tolist(), strict=True):
+                counts[name] += value
+            if view.alive:
+                for name, value in zip(GAUGES, view.regions["gauges"].tolist(), strict=True):
+                    counts[name] += value
+        return out
+
+    def processes(self, devices: Sequence[str] = ("cpu",)) -> dict[str, Any]:
+        """``/v1/stats`` ``processes``: the supervisor's record, each worker's requests;
+        ``engine`` is the first engine's, ``engines`` lists one per entry of ``devices``."""
         requests: dict[int, int] = {}
         for view in self.views:
             if view.role == "worker":
@@ -464,6 +500,7 @@ class Totals:
             return {
                 "workers": [{"pid": pid, "requests": requests.get(pid, 0), "restarts": 0}],
                 "engine": {"pid": pid, "restarts": 0},
+                "engines": [{"device": devices[0], "pid": pid, "restarts": 0}],
                 "index": {"pid": pid, "restarts": 0},
             }
         table = supervisor.regions["processes"]
@@ -476,7 +513,14 @@ class Totals:
         def one(slot: int) -> dict[str, int]:
             return {"pid": int(table[slot, 0]), "restarts": int(table[slot, 1])}
 
-        return {"workers": workers, "engine": one(ENGINE_SLOT), "index": one(INDEX_SLOT)}
+        return {
+            "workers": workers,
+            "engine": one(ENGINE_SLOT),
+            "engines": [
+                {"device": device, **one(engine_slot(k))} for k, device in enumerate(devices)
+            ],
+            "index": one(INDEX_SLOT),
+        }
 
 
 def clear(directory: Path) -> None:

@@ -61,14 +61,25 @@ def cache_namespace(info: EngineInfo) -> str:
     return f"t{TEXT_SCHEMA_VERSION}-{info.fingerprint}"
 
 
+def engine_name(engine: int) -> str:
+    """Engine ``engine``'s socket and identity file in the run directory (of a device list)."""
+    return "engine" if engine == 0 else f"engine-{engine}"
+
+
 def engine_options(
     settings: Settings, kind: str | None = None, device: str | None = None
 ) -> dict[str, Any]:
-    """``create_engine`` options of the configured engine, or of another kind/device."""
+    """``create_engine`` options of the configured engine, or of another kind/device (the
+    first of a device list unless told)."""
+    device = device or settings.devices[0]
     if (kind or settings.engine) == "fake":
-        return {"delay_s": settings.fake_delay_ms / 1000.0, "fail_on": settings.fake_fail_on}
+        return {
+            "delay_s": settings.fake_delay_ms / 1000.0,
+            "fail_on": settings.fake_fail_on,
+            "device": device,
+        }
     options: dict[str, Any] = {
-        "device": device or settings.device,
+        "device": device,
         "max_seq_length": settings.max_seq_length,
     }
     if settings.model_path:
@@ -175,6 +186,10 @@ class EngineHost:
 
     def health(self) -> EngineHealth:
         return self.batcher.engine_health()
+
+    def device_health(self) -> list[dict[str, Any]]:
+        """In one process, one engine on the first device of the list."""
+        return [{"device": self.settings.devices[0], "up": True, **asdict(self.health())}]
 
     async def reembed(self, texts: Sequence[str]) -> Vectors:
         """Fresh vectors of ``texts`` on the warm-up lane, bypassing the cache and the

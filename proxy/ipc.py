@@ -227,8 +227,12 @@ class RpcClient:
         on_request: ClientHandler | None = None,
         ping_s: float = 0.2,
         down_after_s: float = 5.0,
+        service: str | None = None,
     ) -> None:
+        """``service``: what the server serves, as errors name it (default: its socket's
+        name; every engine of a device list is ``engine``)."""
         self.address = connect
+        self._service = service or connect.rsplit("/", 1)[-1].removesuffix(".sock")
         self.identity = f"{role}-{os.getpid()}".encode()
         self._ctx = zmq.asyncio.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
@@ -289,12 +293,12 @@ class RpcClient:
 
     @property
     def service(self) -> str:
-        """What the server serves: the name of its socket (``engine``, ``index``)."""
-        return self.address.rsplit("/", 1)[-1].removesuffix(".sock")
+        """What the server serves (``engine``, ``index``)."""
+        return self._service
 
     @property
     def _name(self) -> str:
-        return f"the {self.service} process"
+        return f"the {self.address.rsplit('/', 1)[-1].removesuffix('.sock')} process"
 
     async def _call(
         self, op: str, blobs: Blobs, timeout_s: float | None, args: dict[str, Any]

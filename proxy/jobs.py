@@ -215,18 +215,14 @@ async def run_shard(
     stopped: Callable[[], bool],
 ) -> WarmupProgress:
     """One shard of a job: a client of the engine and the index, its own checkpoint."""
-    from proxy.engine_host import RemoteEngine
-    from proxy.index_host import RemoteIndex
     from proxy.services import open_worker_services
     from proxy.warmup import LocalSink, checkpoint_for, run_warmup
 
     settings = spec.load_settings()
     path, cancel_file = Path(options.path), Path(options.cancel_file)
     async with open_worker_services(settings, spec.cluster("job")) as services:
-        for remote in (services.engine, services.index):
-            assert isinstance(remote, RemoteEngine | RemoteIndex)
-            if not await remote.client.wait_up(120.0):
-                raise RuntimeError(f"the {remote.client.service} process is not answering")
+        for name in await services.wait_answering(120.0):
+            raise RuntimeError(f"the {name} process is not answering")
         traffic = DispatchTraffic(services.boards)
         with _rejects_part(options, shard) as rejects:
             return await run_warmup(

@@ -108,6 +108,7 @@ class StatsCollector(Collector):
             cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             yield cls(name, doc, value=value_of(stats))
         yield from labelled_families(stats)
+        yield from device_families(stats["inference"]["devices"])
         yield from histogram_families(snap.totals)
         info = InfoMetricFamily("fleetcache_engine", "The engine serving misses.")
         info.add_metric([], {k: str(v) for k, v in asdict(self.services.info).items()})
@@ -178,6 +179,33 @@ def labelled_families(stats: Stats) -> Iterator[Family]:
     for reason, count in stats["queue"]["rejected"].items():
         rejected.add_metric([reason], count)
     yield rejected
+
+
+DEVICE_FAMILIES = (  # (stats key, metric name, kind, help)
+    ("up", "fleetcache_engine_device_up", "gauge",
+     "1 while the engine process of this device answers."),
+    ("healthy", "fleetcache_engine_device_healthy", "gauge",
+     "1 unless this device's engine is tripped or its process is down."),
+    ("degraded", "fleetcache_engine_device_degraded", "gauge",
+     "1 while a soft reading of this device's GPU holds."),
+    ("items", "fleetcache_engine_device_items", "counter", "Texts this device's engine took."),
+    ("batches", "fleetcache_engine_device_batches", "counter", "Batches run on this device."),
+    ("failed_batches", "fleetcache_engine_device_failed_batches", "counter",
+     "Batches that failed on this device."),
+    ("queue_depth", "fleetcache_engine_device_queue_depth_texts", "gauge",
+     "Texts waiting for a batch on this device."),
+)  # fmt: skip
+
+
+def device_families(devices: list[dict[str, Any]]) -> Iterator[Family]:
+    """Per engine process of FLEETCACHE_DEVICE's list, labelled ``device`` and ``index`` (its
+    place in the list: one device may be listed twice)."""
+    for key, name, kind, doc in DEVICE_FAMILIES:
+        cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+        family = cls(name, doc, labels=["device", "index"])
+        for index, device in enumerate(devices):
+            family.add_metric([device["device"], str(index)], float(device[key]))
+        yield family
 
 
 def histogram_families(totals: Totals) -> Iterator[Family]:

@@ -1,8 +1,10 @@
 """The processes of ``fleetcache serve`` and what each one runs (ARCHITECTURE.md, "Processes")::
 
     supervisor (proxy.supervisor)  binds the port; starts, watches and restarts the others
-    engine      engine_main        EngineHost behind an RpcServer at <run dir>/engine.sock;
-                                   writes <run dir>/engine.json (its identity) before loading
+    engine x D  engine_main        one per device of FLEETCACHE_DEVICE: EngineHost behind an
+                                   RpcServer at <run dir>/engine.sock (the first; engine k:
+                                   engine-k.sock); writes engine[-k].json (its identity)
+                                   before loading
     index       index_main         IndexHost behind an RpcServer at <run dir>/index.sock
     worker x N  worker_main        uvicorn on the shared listening socket, create_app(cluster)
     job         demo_main          loads the demo fleet through the cache, the engine and the
@@ -30,14 +32,18 @@ from typing import Any
 from engines.base import EngineInfo
 from features.synthetic import generate_fleet
 from proxy.board import Board
-from proxy.engine_host import RemoteEngine, build_engine, engine_handlers, open_engine_host
-from proxy.index_host import RemoteIndex, index_handlers, open_index_host
+from proxy.engine_host import (
+    build_engine,
+    engine_handlers,
+    engine_name,
+    open_engine_host,
+)
+from proxy.index_host import index_handlers, open_index_host
 from proxy.ipc import RpcServer, address
 from proxy.services import Cluster, Services, open_worker_services
 from proxy.settings import DEMO_CHUNK, Settings
 
 log = logging.getLogger("fleetcache.proxy")
-ENGINE_FILE = "engine.json"
 _PR_SET_PDEATHSIG = 1
 
 
@@ -48,16 +54,30 @@ class ChildSpec:
     settings: dict[str, Any]
     run_dir: str
     log_level: str = "info"
+    devices: tuple[str, ...] = ()  # one engine process each (default: FLEETCACHE_DEVICE's)
+
+    def __post_init__(self) -> None:
+        devices = tuple(self.devices) or self.load_settings().devices
+        object.__setattr__(self, "devices", devices)
 
     def load_settings(self) -> Settings:
         return Settings.model_validate(self.settings)
 
+    def engine_settings(self, engine: int) -> Settings:
+        """The settings of engine ``engine``: its one device."""
+        return Settings.model_validate({**self.settings, "device": self.devices[engine]})
+
     def cluster(self, role: str = "worker") -> Cluster:
-        return Cluster(Path(self.run_dir), read_engine_info(Path(self.run_dir)), role)
+        info = read_engine_info(Path(self.run_dir))
+        return Cluster(Path(self.run_dir), info, role, devices=self.devices)
 
 
-def read_engine_info(run_dir: Path) -> EngineInfo:
-    return EngineInfo(**json.loads((run_dir / ENGINE_FILE).read_text()))
+def engine_file(engine: int) -> str:
+    return f"{engine_name(engine)}.json"
+
+
+def read_engine_info(run_dir: Path, engine: int = 0) -> EngineInfo:
+    return EngineInfo(**json.loads((run_dir / engine_file(engine)).read_text()))
 
 
 def setup_logging(level: str, role: str) -> None:
@@ -101,22 +121,22 @@ async def _serve(server: RpcServer, stop: asyncio.Event) -> None:
 # -- engine ------------------------------------------------------------------------------
 
 
-def engine_main(spec: ChildSpec) -> None:
+def engine_main(spec: ChildSpec, engine: int = 0) -> None:
     become_child("engine", spec.log_level)
-    asyncio.run(_engine(spec))
+    asyncio.run(_engine(spec, engine))
 
 
-async def _engine(spec: ChildSpec) -> None:
-    settings, run_dir = spec.load_settings(), Path(spec.run_dir)
+async def _engine(spec: ChildSpec, index: int) -> None:
+    settings, run_dir = spec.engine_settings(index), Path(spec.run_dir)
     stop = _stop_event()
     engine = build_engine(settings)
-    info_file = run_dir / ENGINE_FILE
+    info_file = run_dir / engine_file(index)
     tmp = info_file.with_suffix(".tmp")
     tmp.write_text(json.dumps(asdict(engine.info)))
     tmp.replace(info_file)  # the supervisor starts the others once it reads this
-    board = Board("engine", run_dir / "boards")
+    board = Board("engine", run_dir / "boards", engine=index)
     async with open_engine_host(settings, board, engine) as host:
-        server = RpcServer(address(run_dir, "engine"), {})
+        server = RpcServer(address(run_dir, engine_name(index)), {})
         server.handlers.update(engine_handlers(host, server))
         log.info("engine process serving at %s", server.address)
         await _serve(server, stop)
@@ -202,9 +222,7 @@ def demo_main(spec: ChildSpec) -> None:
 async def _demo(spec: ChildSpec) -> None:
     settings = spec.load_settings()
     async with open_worker_services(settings, spec.cluster("job")) as services:
-        for name, client in (("engine", services.engine), ("index", services.index)):
-            assert isinstance(client, RemoteEngine | RemoteIndex)
-            while not await client.client.wait_up(60.0):
-                log.info("demo fleet: waiting for the %s process", name)
+        while waiting := await services.wait_answering(60.0):
+            log.info("demo fleet: waiting for the %s process", " and the ".join(waiting))
         if not services.index.ready:
             await load_demo_fleet(services, settings.demo_drivers, settings.demo_seed)

@@ -3,7 +3,8 @@
     Services
       embedder   CachedEmbedder: this process's memory tier -> the shared tier (LMDB | Redis);
                  its misses go to the engine (hits never leave the process)
-      engine     EngineHost (everything in this process) | RemoteEngine (the engine process)
+      engine     EngineHost (everything in this process) | EngineRouter (the engine processes,
+                 one per device: proxy.routing)
       index      IndexHost (everything in this process)  | RemoteIndex (the index owner)
       board      this process's counters; boards: every process's, for /v1/stats and /metrics
       latency    request timings, onto the board
@@ -22,7 +23,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -40,9 +41,10 @@ from features.models import DriverRecord, Position, Status
 from features.text import driver_text
 from proxy.board import Board, Boards
 from proxy.drift import HitReservoir
-from proxy.engine_host import RemoteEngine, cache_namespace, open_engine_host
+from proxy.engine_host import RemoteEngine, cache_namespace, engine_name, open_engine_host
 from proxy.index_host import IndexService, RemoteIndex, open_index_host
 from proxy.ipc import RpcClient, address
+from proxy.routing import EngineRouter
 from proxy.settings import Settings
 from proxy.telemetry import BoardCacheStats, RequestLatency
 
@@ -52,11 +54,13 @@ Progress = Callable[[int, int], None]  # (done, total)
 
 
 class EngineService(Flight, Protocol):
-    """The engine as a worker sees it: ``EngineHost`` or ``RemoteEngine``."""
+    """The engine as a worker sees it: ``EngineHost`` or ``EngineRouter``."""
 
     info: EngineInfo
 
     def health(self) -> EngineHealth: ...
+
+    def device_health(self) -> list[dict[str, Any]]: ...
 
     def facts(self) -> dict[str, Any]: ...
 
@@ -107,10 +111,16 @@ class Services:
             return False, "fleet index loading"
         return True, "ready"
 
-    async def wait_answering(self, timeout_s: float) -> None:
-        """Until the engine and the index processes answer (at most ``timeout_s``)."""
-        clients = [s.client for s in (self.engine, self.index) if hasattr(s, "client")]
-        await asyncio.gather(*(client.wait_up(timeout_s) for client in clients))
+    async def wait_answering(self, timeout_s: float) -> list[str]:
+        """Until an engine process and the index process answer (at most ``timeout_s``):
+        the names of those that did not (none in one process)."""
+        waits: dict[str, Awaitable[bool]] = {}
+        if isinstance(self.engine, EngineRouter):
+            waits["engine"] = self.engine.wait_up(timeout_s)
+        if isinstance(self.index, RemoteIndex):
+            waits["index"] = self.index.client.wait_up(timeout_s)
+        answered = await asyncio.gather(*waits.values())
+        return [name for name, up in zip(waits, answered, strict=True) if not up]
 
     def per_item_ms(self) -> float:
         return float(self.engine.facts().get("per_item_ms") or 0.0)
@@ -295,6 +305,7 @@ class Cluster:
     run_dir: Path
     info: EngineInfo  # the engine's identity (fingerprint, dim), read without loading it
     role: str = "worker"
+    devices: tuple[str, ...] = ("auto",)  # one engine process each, in this order
     # Start serving only once the engine and the index answer (at most this long): a worker
     # (re)started beside serving ones must not answer 503 for work they could do. 0: serve at
     # once (the first worker of a fresh server, so that /readyz can say why it is not ready).
@@ -325,14 +336,21 @@ async def open_worker_services(
             on_drop(message["keys"])
             return {"dropped": len(message["keys"])}
 
-        engine_client = RpcClient(
-            address(cluster.run_dir, "engine"), role=cluster.role, on_request=answer
-        )
+        engine_clients = [
+            RpcClient(
+                address(cluster.run_dir, engine_name(k)),
+                role=cluster.role,
+                on_request=answer,
+                service="engine",
+            )
+            for k in range(len(cluster.devices))
+        ]
         index_client = RpcClient(address(cluster.run_dir, "index"), role=cluster.role)
-        for client in (engine_client, index_client):
+        for client in (*engine_clients, index_client):
             await client.start()
             stack.push_async_callback(client.close)
-        engine = RemoteEngine(engine_client, cluster.info)
+        remotes = [RemoteEngine(client, cluster.info) for client in engine_clients]
+        engine = EngineRouter(remotes, cluster.devices)
         index = RemoteIndex(index_client)
         tiers = build_tiers(settings)
         stack.push_async_callback(tiers.aclose)  # the last to go: after every write-back

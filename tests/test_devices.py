@@ -1,0 +1,266 @@
+"""One engine process per device of ``FLEETCACHE_DEVICE`` (issue 15): ``fleetcache serve`` with
+two fake engine processes (``cpu:0,cpu:1``: the fake engine takes device names, and runs on
+the CPU whatever they say), real processes and sockets.
+
+What a client relies on: misses are spread over the devices while an identical text is still
+computed once across all of them; counting stays exact; ``/v1/stats`` and ``/metrics`` show
+each device; a device whose engine process dies sends its texts to the others without a failed
+request, and takes its share again once it is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from cache.flight import Flown
+from engines.base import EngineInfo
+from engines.fake import FakeEngine
+from proxy.engine_host import RemoteEngine
+from proxy.ipc import ServiceUnavailableError, rows_frame
+from proxy.routing import EngineRouter, choose, rank
+from proxy.settings import Settings
+from proxy.supervisor import engine_devices
+from tests.serve_process import FleetcacheServer, alive
+
+pytestmark = pytest.mark.timeout(300)
+DEVICES = "cpu:0,cpu:1"
+
+
+def embed(url: str, texts: list[str]) -> httpx.Response:
+    with httpx.Client(base_url=url, timeout=30) as client:  # a new connection: any worker
+        return client.post("/v1/embeddings", json={"input": texts})
+
+
+def devices(server: FleetcacheServer) -> list[dict[str, Any]]:
+    return list(server.stats()["inference"]["devices"])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetcacheServer]:
+    # each forward sleeps 0.3 s: concurrent requests of one text meet while it is computed
+    with FleetcacheServer(
+        tmp_path_factory.mktemp("devices"), workers=2, device=DEVICES, fake_delay_ms=300
+    ) as s:
+        yield s
+
+
+def test_an_identical_text_is_computed_once_across_the_engines(server: FleetcacheServer) -> None:
+    before = server.stats()
+    texts = [f"shared new text {i}" for i in range(8)]  # hashed to both engines
+    with ThreadPoolExecutor(40) as pool:
+        responses = list(pool.map(lambda i: embed(server.url, [texts[i % 8]]), range(80)))
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    after = server.stats()
+    assert after["inference"]["items"] - before["inference"]["items"] == 8
+    assert after["cache"]["misses"] - before["cache"]["misses"] == 8
+    avoided = {k: after["cache"][k] - before["cache"][k] for k in ("hits", "coalesced")}
+    assert sum(avoided.values()) == 72 and avoided["coalesced"] > 0, avoided  # joined or cached
+    per_device = [
+        a["items"] - b["items"]
+        for a, b in zip(after["inference"]["devices"], before["inference"]["devices"], strict=True)
+    ]
+    assert sum(per_device) == 8 and all(n > 0 for n in per_device), per_device
+
+
+def test_misses_are_spread_over_both_engines_and_counted_exactly(
+    server: FleetcacheServer,
+) -> None:
+    before = devices(server)
+    batches = [[f"spread {i} {j}" for j in range(32)] for i in range(20)]  # 640 new texts
+    with ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(lambda texts: embed(server.url, texts), batches))
+    assert all(r.status_code == 200 for r in responses)
+    assert sum(int(r.headers["X-Cache-Misses"]) for r in responses) == 640
+    stats = server.stats()
+    took = [
+        a["items"] - b["items"] for a, b in zip(stats["inference"]["devices"], before, strict=True)
+    ]
+    assert sum(took) == 640
+    assert min(took) >= 640 * 0.35, took  # hashed: about half each (binomial, sd 13)
+    assert stats["inference"]["items"] == stats["cache"]["misses"]
+    assert sum(d["items"] for d in stats["inference"]["devices"]) == stats["inference"]["items"]
+
+
+def test_stats_and_metrics_show_each_device(server: FleetcacheServer) -> None:
+    stats = server.stats()
+    engines = stats["processes"]["engines"]
+    assert [e["device"] for e in engines] == ["cpu:0", "cpu:1"]
+    assert engines[0]["pid"] == stats["processes"]["engine"]["pid"]  # the v1.1 entry stays
+    assert len({e["pid"] for e in engines}) == 2 and all(alive(e["pid"]) for e in engines)
+    shown = stats["inference"]["devices"]
+    assert [(d["device"], d["up"], d["healthy"], d["serving"]) for d in shown] == [
+        ("cpu:0", True, True, "primary"),
+        ("cpu:1", True, True, "primary"),
+    ]
+    metrics = httpx.get(f"{server.url}/metrics").text
+    for index, device in enumerate(shown):
+        labels = f'{{device="{device["device"]}",index="{index}"}}'
+        assert f"fleetcache_engine_device_up{labels} 1.0" in metrics
+        assert f"fleetcache_engine_device_healthy{labels} 1.0" in metrics
+        items = re.search(
+            rf"fleetcache_engine_device_items_total{re.escape(labels)} (\S+)", metrics
+        )
+        assert items is not None and float(items.group(1)) >= device["items"] > 0
+
+
+def test_a_killed_engine_fails_no_request_and_comes_back(tmp_path: Path) -> None:
+    with FleetcacheServer(tmp_path, workers=2, device=DEVICES, fake_delay_ms=20) as server:
+        victim = server.pids()["engines"][1]
+        failures: list[str] = []
+        served = 0
+        seen_down: list[dict[str, Any]] = []
+        ready_while_down: list[int] = []
+        stop = threading.Event()
+        counter = itertools.count()
+
+        def load() -> None:
+            nonlocal served
+            with httpx.Client(base_url=server.url, timeout=30) as client:
+                while not stop.is_set():
+                    n = next(counter)
+                    texts = [f"load {n} {j}" for j in range(16)]  # new: both engines get some
+                    try:
+                        response = client.post("/v1/embeddings", json={"input": texts})
+                    except httpx.TransportError as exc:
+                        failures.append(repr(exc))
+                        continue
+                    if response.status_code == 200:
+                        served += 1
+                    else:
+                        failures.append(f"{response.status_code} {response.text}")
+
+        threads = [threading.Thread(target=load) for _ in range(6)]
+        for thread in threads:
+            thread.start()
+        try:
+            time.sleep(1.0)
+            os.kill(victim["pid"], signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            back = None
+            while time.monotonic() < deadline and back is None:
+                stats = server.stats()
+                device = stats["inference"]["devices"][1]
+                if not device["up"]:
+                    seen_down.append(device)
+                    ready_while_down.append(httpx.get(f"{server.url}/readyz").status_code)
+                engine = stats["processes"]["engines"][1]
+                if engine["pid"] != victim["pid"] and device["up"] and seen_down:
+                    back = (engine, device)
+                time.sleep(0.1)
+            assert back is not None, "engine 1 did not come back within 30 s"
+            items_back = back[1]["items"]
+            time.sleep(1.0)  # its share of new texts again
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join()
+        assert failures == [], failures[:5]
+        assert served > 50
+        assert not alive(victim["pid"])
+        assert seen_down[0]["healthy"] is False and seen_down[0]["serving"] == "none"
+        assert set(ready_while_down) == {200}  # the other device serves every miss
+        engine, _ = back
+        assert engine["restarts"] == 1
+        stats = server.stats()
+        assert stats["inference"]["devices"][1]["items"] > items_back
+        assert stats["inference"]["items"] == stats["cache"]["misses"]
+
+
+# -- routing, without processes ------------------------------------------------------------
+
+
+class StubClient:
+    """What ``RemoteEngine`` needs of an ``RpcClient``: a fake engine behind ``call``."""
+
+    def __init__(self, healthy: bool = True) -> None:
+        self.up = True
+        self.facts: dict[str, Any] = {
+            "health": {"healthy": healthy, "reason": None, "serving": "primary"}
+        }
+        self.engine = FakeEngine()
+        self.texts: list[str] = []
+        self.fail: Exception | None = None
+
+    async def call(self, op: str, **args: Any) -> tuple[dict[str, Any], list[Any]]:
+        if self.fail is not None:
+            raise self.fail
+        texts = args["texts"]
+        self.texts += texts
+        rows = np.stack([self.engine.vector(t) for t in texts])
+        return {"coalesced": bytes(len(texts))}, [bytes(rows_frame(rows))]
+
+
+def router(*clients: StubClient) -> EngineRouter:
+    info: EngineInfo = FakeEngine().info
+    remotes = [RemoteEngine(c, info) for c in clients]  # type: ignore[arg-type]
+    return EngineRouter(remotes, [f"cpu:{k}" for k in range(len(clients))])
+
+
+def route(engines: EngineRouter, texts: list[str]) -> Flown:
+    return asyncio.run(engines.embed(texts, lane="dispatch", caller="dispatch", ttl_s={}))
+
+
+def test_rows_come_back_in_input_order_from_both_engines() -> None:
+    a, b = StubClient(), StubClient()
+    texts = [f"text {i}" for i in range(100)]
+    flown = route(router(a, b), texts)
+    expected = np.stack([FakeEngine().vector(t) for t in texts])
+    np.testing.assert_array_equal(flown.rows, expected)
+    assert a.texts and b.texts and sorted(a.texts + b.texts) == sorted(texts)
+
+
+def test_a_tripped_engine_gets_no_texts_while_the_other_serves() -> None:
+    a, b = StubClient(), StubClient(healthy=False)
+    route(router(a, b), [f"text {i}" for i in range(50)])
+    assert len(a.texts) == 50 and b.texts == []
+
+
+def test_a_call_to_an_engine_that_went_away_goes_to_the_next_engine() -> None:
+    a, b = StubClient(), StubClient()
+    b.fail = ServiceUnavailableError("the engine-1 process went away")
+    engines = router(a, b)
+    texts = [f"text {i}" for i in range(50)]
+    flown = route(engines, texts)
+    assert sorted(a.texts) == sorted(texts) and engines.reroutes > 0
+    np.testing.assert_array_equal(flown.rows[0], FakeEngine().vector(texts[0]))
+
+
+def test_an_engine_that_stops_serving_moves_only_its_own_texts() -> None:
+    texts = [f"text {i}" for i in range(3000)]
+    weights = rank(texts, 3)
+    every = choose(weights, np.array([True, True, True]))
+    without = choose(weights, np.array([True, False, True]))
+    kept = every != 1
+    assert (without[kept] == every[kept]).all()  # nobody else's text moved
+    moved = without[~kept]
+    assert 0.4 < float(np.mean(moved == 0)) < 0.6  # spread over both others
+    assert (rank(texts, 3) == weights).all()  # the same in every process
+
+
+def test_device_lists_and_auto() -> None:
+    fake = Settings(engine="fake", device="cpu:0,cpu:1")
+    assert engine_devices(fake) == ("cpu:0", "cpu:1")
+    with pytest.raises(ValueError, match="FLEETCACHE_DEVICE"):
+        Settings(engine="fake", device="cuda:0")  # names only: a fake never claims a GPU
+    with pytest.raises(ValueError, match="FLEETCACHE_DEVICE"):
+        Settings(engine="torch", device="cuda:0,gpu1")
+    torch = Settings(engine="torch", device="auto")
+    assert engine_devices(torch, gpus=lambda: 2) == ("cuda:0", "cuda:1")
+    assert engine_devices(torch, gpus=lambda: 1) == ("auto",)  # one engine picks as before
+    assert engine_devices(torch, gpus=lambda: 0) == ("auto",)
+    assert engine_devices(Settings(engine="torch", device="cuda:0,cuda:0")) == ("cuda:0",) * 2
+    assert FakeEngine(device="cpu:1").info.fingerprint == FakeEngine().info.fingerprint
