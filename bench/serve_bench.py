@@ -13,6 +13,9 @@ the same app in one process, ``create_app`` under uvicorn, as v1 ran) on a fresh
   ``cuda:0,cuda:0``: one engine process or two on one GPU); with ``--kill-engine`` a
   layout of several engine processes runs its misses once more and kills the second engine
   (SIGKILL) a third of the way in: wrk's failed requests, and the seconds until it is back;
+- with ``--routing hash depth``: each layout once per ``FLEETCACHE_ENGINE_ROUTING``; with
+  ``--twins`` also requests whose new texts every wrk thread sends at about the same moment
+  (``twins.lua``): texts/s, and engine items per text looked up (what coalescing saved);
 - with ``--warmup N``: N new drivers POSTed to ``/v1/warmup`` (a job process), timed to
   ``done``, with wrk sending cached lookups (8 connections) beside it: their p99 during the
   job against the same load alone; and the plain tokenizer's ceiling on all cores over the
@@ -195,7 +198,9 @@ def measure_layout(
 ) -> dict[str, Any]:
     name = f"{workers} workers" if workers else "one process"
     name += f", device {settings['device']}" if len(args.devices) > 1 else ""
+    name += f", routing {settings['engine_routing']}" if len(args.routing) > 1 else ""
     tag = f"{workers}-{settings['device'].replace(',', '_').replace(':', '')}"
+    tag += f"-{settings['engine_routing']}"
     data_dir = Path(tempfile.mkdtemp(prefix="fleetcache-bench-"))
     server = Server(workers, data_dir, settings, out / f"server-{tag}.log", args.server_cpus)
     try:
@@ -215,6 +220,7 @@ def measure_layout(
                 runs["misses"].append(
                     wrk.run("misses.lua", url, c, d, FMT="base64", SALT=f"r{run}-")
                 )
+        twins = measure_twins(server, wrk, c, d) if args.twins else None
         engines = server.stats()["processes"]["engines"]
         killed = None
         if args.kill_engine and len(engines) > 1:
@@ -223,6 +229,7 @@ def measure_layout(
         row: dict[str, Any] = {"layout": name, "ready_s": ready_s, "idle_probe_p99": idle["p99_ms"]}
         row["device_items"] = [device["items"] for device in stats["inference"]["devices"]]
         row["killed"] = killed
+        row["twins"] = twins
         for phase, results in runs.items():
             if not results:
                 results = [dict.fromkeys(("req_s", "p50_ms", "p99_ms", "errors"), 0.0)]
@@ -244,6 +251,26 @@ def measure_layout(
         server.stop()
         shutil.rmtree(data_dir, ignore_errors=True)
         print(f"{name}: measured", file=sys.stderr)
+
+
+def measure_twins(server: Server, wrk: Wrk, connections: int, seconds: float) -> dict[str, Any]:
+    """``twins.lua``: texts/s, and the engine items it cost per text looked up."""
+    before = server.stats()
+    result = wrk.run("twins.lua", server.url, connections, seconds, FMT="base64", SALT="t-")
+    after = server.stats()
+
+    def delta(*path: str) -> int:
+        a, b = after, before
+        for key in path:
+            a, b = a[key], b[key]
+        return int(a) - int(b)
+
+    looked_up = sum(delta("cache", k) for k in ("hits", "coalesced", "misses"))
+    return {
+        **result,
+        "items_per_lookup": delta("inference", "items") / max(looked_up, 1),
+        "coalesced_per_lookup": delta("cache", "coalesced") / max(looked_up, 1),
+    }
 
 
 def kill_engine_under_load(server: Server, wrk: Wrk, connections: int, seconds: float) -> Any:
@@ -418,6 +445,20 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
             f"{ratio} | {r['items_equal_misses']} | {r['per_worker_requests']} | "
             f"{r['device_items']} |"
         )
+    twins = [r for r in rows if r["twins"]]
+    if twins:
+        print(
+            "\n| layout | twin texts/s | p50 / p99 ms | engine items per text | "
+            "coalesced per text |"
+        )
+        print("|---|---|---|---|---|")
+        for r in twins:
+            t = r["twins"]
+            print(
+                f"| {r['layout']} | {t['req_s'] * 32:,.0f} | "
+                f"{t['p50_ms']:.1f} / {t['p99_ms']:.1f} | {t['items_per_lookup']:.3f} | "
+                f"{t['coalesced_per_lookup']:.3f} |"
+            )
     for r in rows:
         k = r["killed"]
         if k:
@@ -465,6 +506,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--devices", nargs="*", default=None, help="FLEETCACHE_DEVICE values")
     parser.add_argument("--skip-hits", action="store_true", help="misses only")
+    parser.add_argument("--routing", nargs="*", default=["hash"], help="engine routing policies")
+    parser.add_argument("--twins", action="store_true", help="also twins.lua (see above)")
+    parser.add_argument("--fake-delay-ms", default="0", help="engine fake: ms per forward")
     parser.add_argument("--kill-engine", action="store_true", help="kill engine 1 under misses")
     parser.add_argument("--model", default=None, help="model dir (default: the packaged one)")
     parser.add_argument("--store", default="lmdb")
@@ -493,6 +537,8 @@ def main() -> None:
         "max_batch_size": str(args.max_batch_size),
         "memory_cache_mb": "256",
     }
+    if args.engine == "fake":
+        settings["fake_delay_ms"] = args.fake_delay_ms
     if args.model:
         settings["model_path"] = args.model
     args.devices = args.devices or [args.device]
@@ -501,9 +547,10 @@ def main() -> None:
         batcher = batcher_alone(args, settings) if args.batcher else None
         layouts = ([0] if args.single else []) + list(args.workers)
         rows = []
-        for workers, device in itertools.product(layouts, args.devices):
+        for workers, device, routing in itertools.product(layouts, args.devices, args.routing):
+            layout = {**settings, "device": device, "engine_routing": routing}
             try:
-                rows.append(measure_layout(args, workers, {**settings, "device": device}, wrk, out))
+                rows.append(measure_layout(args, workers, layout, wrk, out))
             except (Exception, SystemExit) as exc:  # report the layouts that did run
                 print(f"layout with {workers} workers failed: {exc!r}"[:4000], file=sys.stderr)
         report(rows, batcher, args)

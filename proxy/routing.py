@@ -71,6 +71,13 @@ def rank(texts: Sequence[str], engines: int) -> Rank:
     return _mix(text_hashes(texts)[:, None] ^ seeds[None, :])
 
 
+def by_depth(weights: Rank, outstanding: Sequence[int]) -> Rank:
+    """``FLEETCACHE_ENGINE_ROUTING=depth``: the engine holding the fewest of this process's
+    texts first (a text's hash breaks ties and orders the rest)."""
+    room = (1 << 31) - np.minimum(np.array(outstanding, dtype=np.uint64), (1 << 31) - 1)
+    return (room[None, :] << np.uint64(32)) | (weights >> np.uint64(32))
+
+
 def choose(weights: Rank, usable: npt.NDArray[np.bool_]) -> npt.NDArray[np.intp]:
     """The engine of each row: the highest weight among the ``usable`` ones."""
     masked = np.where(usable[None, :], weights, np.uint64(0))
@@ -79,15 +86,21 @@ def choose(weights: Rank, usable: npt.NDArray[np.bool_]) -> npt.NDArray[np.intp]
 
 class EngineRouter:
     """The engine processes of a server, as one ``Flight`` (see the module docstring).
-    ``devices``: the device of each, in FLEETCACHE_DEVICE's order."""
+    ``devices``: the device of each, in FLEETCACHE_DEVICE's order; ``policy``: ``hash``, or
+    ``depth`` (FLEETCACHE_ENGINE_ROUTING: each call to the engine holding the fewest of this
+    process's texts, whatever the texts: twins in flight on two engines are computed twice)."""
 
-    def __init__(self, engines: Sequence[RemoteEngine], devices: Sequence[str]) -> None:
+    def __init__(
+        self, engines: Sequence[RemoteEngine], devices: Sequence[str], policy: str = "hash"
+    ) -> None:
         if not engines or len(engines) != len(devices):
             raise ValueError("one RemoteEngine per device, at least one")
         self.engines = list(engines)
         self.devices = list(devices)
+        self.policy = policy
         self.info: EngineInfo = engines[0].info
         self.reroutes = 0  # texts sent again after their engine stopped answering
+        self.outstanding = [0] * len(engines)  # texts sent to each and not answered yet
 
     # -- which engine ----------------------------------------------------------------------
 
@@ -150,10 +163,13 @@ class EngineRouter:
         if not texts:
             return Flown(rows, coalesced)
         weights = rank(texts, len(self.engines))
+        if self.policy == "depth":
+            weights = by_depth(weights, self.outstanding)
         chosen = choose(weights, self.usable())
 
         async def on(k: int, positions: npt.NDArray[np.intp], again: bool) -> None:
             part = [texts[i] for i in positions]
+            self.outstanding[k] += len(part)
             try:
                 flown = await run(self.engines[k], part)
             except ServiceUnavailableError:
@@ -171,6 +187,8 @@ class EngineRouter:
                     *(on(j, positions[nexts == j], True) for j in np.unique(nexts).tolist())
                 )
                 return
+            finally:
+                self.outstanding[k] -= len(part)
             rows[positions] = flown.rows
             for i, joined in zip(positions.tolist(), flown.coalesced, strict=True):
                 coalesced[i] = joined

