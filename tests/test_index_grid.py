@@ -1,20 +1,35 @@
 """The geo grid's arena (``indexes.geo``): every point's row, payload included, follows it
-through moves across cells, removes, renames, full blocks moving and the arena being rebuilt;
-the radius test agrees with haversine to the last bit, on the circle included."""
+through moves across cells, removes, renames, full blocks moving and the arena being rebuilt
+(and the table's recommend stays exact through all of it); the radius test agrees with
+haversine to the last bit, on the circle included."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from features.geo import haversine_km, haversine_km_many
-from indexes import GeoGrid
+from features.models import DriverRecord, Position
+from indexes import FleetTable, GeoGrid, ranking
 from indexes import geo as geo_module
-from tests.test_index import clamp_lat, wrap_lng
+from tests.test_index import (
+    CENTERS,
+    DIM,
+    STATUSES,
+    assert_recommendation,
+    brute_force,
+    clamp_lat,
+    drivers,
+    orders,
+    positions,
+    quantized_unit,
+    wrap_lng,
+)
 
 PAYLOAD = {"tag": ((), np.int64), "vec": ((3,), np.float32)}
 
@@ -170,3 +185,68 @@ def test_within_equals_haversine_everywhere(
     got = set(grid.within(lat, lng, radius).tolist())
     d = haversine_km_many(lat, lng, np.array([p[0] for p in pts]), np.array([p[1] for p in pts]))
     assert got == set(np.flatnonzero(d <= radius).tolist())
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_recommend_stays_exact_while_blocks_move_and_the_arena_is_rebuilt(
+    data: st.DataObject,
+) -> None:
+    """The table's recommend reads int8 vectors, bits and cargo from the arena: they must
+    follow every driver through full blocks moving and rebuilds (forced here on every
+    change), with the first pass on for every order."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(geo_module, "_COMPACT_AFTER", 0)
+        mp.setattr(geo_module, "_MIN_BLOCK", 1)
+        mp.setattr(ranking, "_EXACT_UP_TO", 0)
+        center = data.draw(CENTERS, label="center")
+        table = FleetTable(DIM)
+        fleet: dict[str, tuple[DriverRecord, np.ndarray]] = {}
+
+        def near(item: Any) -> Any:
+            """A record or position pulled to within ~2 km of the centre: a few crowded
+            cells, whose blocks fill up."""
+            pos = item.position if isinstance(item, DriverRecord) else item
+            lat = clamp_lat(center[0] + (pos.lat - center[0]) / 8)
+            lng = wrap_lng(center[1] + ((pos.lng - center[1] + 180) % 360 - 180) / 8)
+            moved = Position(lat=lat, lng=lng)
+            if isinstance(item, DriverRecord):
+                return item.model_copy(update={"position": moved})
+            return moved
+
+        for _ in range(data.draw(st.integers(1, 10), label="steps")):
+            kind = data.draw(st.sampled_from(["upsert", "move", "move", "status", "delete"]))
+            ids = list(fleet)
+            if kind == "upsert":
+                batch = [
+                    near(r) for r in data.draw(st.lists(drivers(center), min_size=1, max_size=9))
+                ]
+                seeds = [data.draw(st.integers(0, 10**6)) for _ in batch]
+                vecs = np.stack([quantized_unit(s) for s in seeds])
+                if data.draw(st.booleans(), label="one by one"):  # cells grow a row at a time
+                    for i in range(len(batch)):
+                        table.upsert_drivers(batch[i : i + 1], vecs[i : i + 1])
+                else:
+                    table.upsert_drivers(batch, vecs)
+                fleet.update({r.driver_id: (r, v) for r, v in zip(batch, vecs, strict=True)})
+            elif kind == "move" and ids:
+                who = data.draw(st.lists(st.sampled_from(ids), min_size=1, max_size=8))
+                to = [near(data.draw(positions(center))) for _ in who]
+                table.update_positions(who, [p.lat for p in to], [p.lng for p in to])
+                for driver_id, p in zip(who, to, strict=True):
+                    rec = fleet[driver_id][0]
+                    moved = rec.model_copy(update={"position": Position(lat=p.lat, lng=p.lng)})
+                    fleet[driver_id] = (moved, fleet[driver_id][1])
+            elif kind == "status" and ids:
+                victim = data.draw(st.sampled_from(ids))
+                rec = table.update_driver(victim, status=data.draw(st.sampled_from(STATUSES)))
+                fleet[victim] = (rec, fleet[victim][1])
+            elif kind == "delete" and ids:
+                victim = data.draw(st.sampled_from(ids))
+                assert table.delete_driver(victim)
+                del fleet[victim]
+            o = data.draw(orders(center), label="order")
+            o = o.model_copy(update={"k": data.draw(st.integers(1, 2), label="k")})  # first pass
+            q = quantized_unit(data.draw(st.integers(0, 10**6), label="query"))
+            considered, expected = brute_force(fleet, o, q)
+            assert_recommendation(table.recommend(o, q), considered, expected, o.k)
