@@ -40,7 +40,7 @@ def device_or_skip(device: str) -> str:
     return device
 
 
-DEVICES = ["cpu", "cuda"]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # only a GPU test may skip
 
 
 def check_batch(
