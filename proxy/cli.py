@@ -357,7 +357,19 @@ def stats_tables(stats: dict[str, Any]) -> list[Table]:
     callers = Table("caller", "hits", "misses")
     for caller, values in stats["by_caller"].items():
         callers.add_row(caller, str(values["hits"]), str(values["misses"]))
-    return [overview, engine, requests, callers]
+    devices = inference.get("devices") or []  # a server older than the device list: none
+    if len(devices) < 2:
+        return [overview, engine, requests, callers]
+    by_device = Table("engine on", "state", "items", "batches", "queue")
+    for d in devices:
+        state = "healthy"
+        if not (d["up"] and d["healthy"]) or d["degraded"]:
+            state = "down" if not d["up"] else "unhealthy" if not d["healthy"] else "degraded"
+            state += f": {d['reason']}"
+        by_device.add_row(
+            d["device"], state, str(d["items"]), str(d["batches"]), str(d["queue_depth"])
+        )
+    return [overview, engine, by_device, requests, callers]
 
 
 def fetch_stats(url: str, api_key: str | None = None) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import re
 import signal
@@ -19,21 +20,30 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
+from rich.console import Console
+from typer.testing import CliRunner
 
 from cache.flight import Flown
 from engines.base import EngineInfo
 from engines.fake import FakeEngine
+from features.readers import write_records
+from features.synthetic import generate_fleet
+from features.text import driver_text
+from proxy.cli import app as cli
+from proxy.cli import stats_tables
 from proxy.engine_host import RemoteEngine
 from proxy.ipc import ServiceUnavailableError, rows_frame
+from proxy.processes import engine_file
 from proxy.routing import EngineRouter, choose, rank
 from proxy.settings import Settings
-from proxy.supervisor import engine_devices
+from proxy.supervisor import check_identities, engine_devices
 from tests.serve_process import FleetcacheServer, alive
 
 pytestmark = pytest.mark.timeout(300)
@@ -96,6 +106,7 @@ def test_misses_are_spread_over_both_engines_and_counted_exactly(
 
 
 def test_stats_and_metrics_show_each_device(server: FleetcacheServer) -> None:
+    assert embed(server.url, [f"for the stats {i}" for i in range(32)]).status_code == 200
     stats = server.stats()
     engines = stats["processes"]["engines"]
     assert [e["device"] for e in engines] == ["cpu:0", "cpu:1"]
@@ -115,6 +126,16 @@ def test_stats_and_metrics_show_each_device(server: FleetcacheServer) -> None:
             rf"fleetcache_engine_device_items_total{re.escape(labels)} (\S+)", metrics
         )
         assert items is not None and float(items.group(1)) >= device["items"] > 0
+
+
+def test_fleetcache_stats_shows_each_device(server: FleetcacheServer) -> None:
+    assert embed(server.url, [f"for the table {i}" for i in range(32)]).status_code == 200
+    console = Console(record=True, width=200)
+    for table in stats_tables(server.stats()):
+        console.print(table)
+    shown = console.export_text()
+    assert re.search(r"cpu:0\s+│ healthy\s+│ [1-9]", shown), shown
+    assert re.search(r"cpu:1\s+│ healthy\s+│ [1-9]", shown), shown
 
 
 def test_a_killed_engine_fails_no_request_and_comes_back(tmp_path: Path) -> None:
@@ -178,6 +199,29 @@ def test_a_killed_engine_fails_no_request_and_comes_back(tmp_path: Path) -> None
         stats = server.stats()
         assert stats["inference"]["devices"][1]["items"] > items_back
         assert stats["inference"]["items"] == stats["cache"]["misses"]
+
+
+def test_a_direct_warmup_over_two_engines_embeds_each_text_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``fleetcache warmup FILE`` starts an engine process per device too; its three reader
+    processes meet the same vehicle texts and each is still computed once."""
+    for name, value in {
+        "ENGINE": "fake",
+        "DEVICE": DEVICES,
+        "DATA_DIR": str(tmp_path / "data"),
+        "LMDB_MAP_SIZE_GB": "0.25",
+        "WARMUP_PROCESSES": "3",
+    }.items():
+        monkeypatch.setenv(f"FLEETCACHE_{name}", value)
+    monkeypatch.chdir(tmp_path)
+    drivers = generate_fleet(400, seed=8)
+    write_records(drivers, tmp_path / "fleet.jsonl")
+    result = CliRunner().invoke(cli, ["warmup", "fleet.jsonl", "--chunk-size", "32"])
+    assert result.exit_code == 0, result.output
+    assert "400 indexed" in result.output
+    embedded = int(result.output.split(" embedded")[0].rsplit(" ", 1)[1].replace(",", ""))
+    assert embedded == len({driver_text(d) for d in drivers})
 
 
 # -- routing, without processes ------------------------------------------------------------
@@ -276,3 +320,12 @@ def test_device_lists_and_auto() -> None:
     assert engine_devices(torch, gpus=lambda: 0) == ("auto",)
     assert engine_devices(Settings(engine="torch", device="cuda:0,cuda:0")) == ("cuda:0",) * 2
     assert FakeEngine(device="cpu:1").info.fingerprint == FakeEngine().info.fingerprint
+
+
+def test_engines_that_would_compute_different_vectors_are_refused(tmp_path: Path) -> None:
+    same, other = FakeEngine(device="cpu:0").info, FakeEngine(dim=8).info
+    for k, info in enumerate((same, same, other)):
+        (tmp_path / engine_file(k)).write_text(json.dumps(asdict(info)))
+    assert check_identities(tmp_path, ["cpu:0", "cpu:1"]) is None
+    refused = check_identities(tmp_path, ["cpu:0", "cpu:1", "cpu:2"])
+    assert refused is not None and "cpu:2" in refused and other.fingerprint in refused
