@@ -116,7 +116,7 @@ def test_promtool_accepts_the_config(tmp_path: Path) -> None:
     (tmp_path / "secrets").mkdir()
     (tmp_path / "secrets" / "metrics.key").write_text("fc_example\n")
     out = promtool("check", "config", str(tmp_path / "prometheus.yml"))
-    assert "SUCCESS: 11 rules found" in out
+    assert "SUCCESS: 12 rules found" in out
 
 
 def test_alert_rules_pass_their_unit_tests() -> None:
