@@ -14,9 +14,9 @@
 
 Why a hash and not the shortest queue: an identical text must meet its twin in ONE in-flight
 map to be computed once. Routed by its hash it always reaches the same engine, whose map is
-enough; routed by queue depth, twins would land on different engines and each compute it,
-unless the map were shared across the engine processes (docs/BENCHMARKS.md measures the
-spread; balancing would need that shared map, see the README). Rendezvous hashing moves only
+enough; routed by queue depth (``FLEETCACHE_ENGINE_ROUTING=depth``), twins land on different
+engines and each computes them, since the map is not shared across the engine processes
+(docs/BENCHMARKS.md: 65% more engine work on concurrent repeats). Rendezvous hashing moves only
 the texts of an engine that stops serving, each to its next engine, spread evenly over the
 others, and moves them back when it returns.
 
