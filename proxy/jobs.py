@@ -221,8 +221,9 @@ async def run_shard(
     settings = spec.load_settings()
     path, cancel_file = Path(options.path), Path(options.cancel_file)
     async with open_worker_services(settings, spec.cluster("job")) as services:
-        for name in await services.wait_answering(120.0):
-            raise RuntimeError(f"the {name} process is not answering")
+        silent = await services.wait_answering(120.0)
+        if silent:
+            raise RuntimeError(f"the {' and the '.join(silent)} process is not answering")
         traffic = DispatchTraffic(services.boards)
         with _rejects_part(options, shard) as rejects:
             return await run_warmup(
