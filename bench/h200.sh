@@ -20,8 +20,13 @@ case "${1:-}" in
     shift
     python3 -m bench.serve_bench --engine torch --device cuda --model "$MODEL" \
       --wrk .gpuwrk/usr/bin/wrk --out "$OUT/serve" "$@" 2>&1 | tee "$OUT/serve_bench.txt" ;;
+  recommend)
+    shift
+    python3 -m bench.recommend_bench --wrk .gpuwrk/usr/bin/wrk --out "$OUT/recommend" "$@" 2>&1 \
+      | tee "$OUT/recommend_bench.txt" ;;
   tests)
     FLEETCACHE_GPU_MODEL=$MODEL python3 -m pytest -q -p no:cacheprovider -W ignore::UserWarning \
       -W ignore::DeprecationWarning -W ignore::FutureWarning tests/test_gpu_torch.py ;;
-  *) echo "usage: bench/h200.sh install | serve [serve_bench options] | tests" >&2; exit 2 ;;
+  *) echo "usage: bench/h200.sh install | serve [serve_bench options] | recommend [options] | tests" >&2
+     exit 2 ;;
 esac

@@ -137,6 +137,9 @@ class IndexHost:
         self._log_problem: str | None = None  # why the shared log is not followed now
         self._log_broken: str | None = None  # ... for good: it disagrees with the table
         self._published_at = -float("inf")  # when a snapshot was last offered to the log
+        # FLEETCACHE_INDEX_DEVICE: recommends waiting for the next batch, batches run
+        self._recommends: list[tuple[Order, Any, asyncio.Future[Recommendation]]] = []
+        self.recommend_batches = 0
         self._publish()
 
     @property
@@ -309,7 +312,29 @@ class IndexHost:
         return [self.table.get_driver(i) for i in driver_ids]
 
     async def recommend(self, order: Order, query: npt.NDArray[np.float32]) -> Recommendation:
-        return self.table.recommend(order, query)
+        """With FLEETCACHE_INDEX_DEVICE the recommends that arrive together (within one turn
+        of the event loop) share one first pass there (``FleetTable.recommend_many``)."""
+        if self.settings.index_device is None:
+            return self.table.recommend(order, query)
+        waiter = asyncio.get_running_loop().create_future()
+        self._recommends.append((order, query, waiter))
+        if len(self._recommends) == 1:
+            asyncio.get_running_loop().call_soon(self._recommend_batch)
+        return await waiter
+
+    def _recommend_batch(self) -> None:
+        batch, self._recommends = self._recommends, []
+        self.recommend_batches += 1
+        try:
+            answers = self.table.recommend_many([o for o, _, _ in batch], [q for _, q, _ in batch])
+        except Exception as exc:
+            for _, _, waiter in batch:
+                if not waiter.done():
+                    waiter.set_exception(exc)
+            return
+        for (_, _, waiter), answer in zip(batch, answers, strict=True):
+            if not waiter.done():
+                waiter.set_result(answer)
 
     async def count(self) -> int:
         return len(self.table)
@@ -329,6 +354,7 @@ class IndexHost:
             "revision": self.revision,
             "log": self.changelog.facts(),
             "seq": self.table.seq,
+            "recommend_batches": self.recommend_batches,
             "fleet_log": None
             if self.fleet_log is None
             else {
@@ -407,7 +433,8 @@ async def open_index_host(settings: Settings, board: Board, dim: int) -> AsyncIt
 async def _load(settings: Settings, dim: int) -> tuple[FleetTable, ChangeLog, int]:
     """The local table (its last snapshot plus its change log), the log, changes replayed."""
     started = time.perf_counter()
-    table = await asyncio.to_thread(FleetTable.load, settings.index_dir, dim)
+    device = settings.index_device
+    table = await asyncio.to_thread(FleetTable.load, settings.index_dir, dim, device=device)
     loaded = table.seq
     changelog, replayed = await asyncio.to_thread(recover, table, settings.index_dir / LOG_DIR)
     log.info(

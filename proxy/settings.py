@@ -104,6 +104,11 @@ class Settings(BaseSettings):
     fleet_snapshot_publish_s: float = Field(
         600.0, gt=0.0, description="with a fleet log: how often a replica publishes a snapshot"
     )
+    index_device: str | None = Field(
+        None,
+        description="a torch device (cuda, cuda:N) for recommend's first pass, concurrent "
+        "recommends batched; none: the CPU path",
+    )
     # processes (fleetcache serve): one engine process, one fleet index owner, N HTTP workers
     workers: int | Literal["auto"] = Field("auto", description="HTTP worker processes")
     warmup_processes: int | Literal["auto"] = Field(
@@ -120,6 +125,12 @@ class Settings(BaseSettings):
     def _check_combinations(self) -> Settings:
         if self.store == "redis" and not self.redis_url.startswith(("redis://", "rediss://")):
             raise ValueError("FLEETCACHE_REDIS_URL must start with redis:// or rediss://")
+        if self.index_device is not None and not re.fullmatch(
+            r"(cpu|cuda)(:\d+)?", self.index_device
+        ):
+            raise ValueError(
+                f"FLEETCACHE_INDEX_DEVICE: {self.index_device!r} is not cpu, cuda or cuda:N"
+            )
         if self.fleet_log_url is not None and not self.fleet_log_url.startswith(
             ("redis://", "rediss://", "unix://")
         ):
