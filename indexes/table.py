@@ -45,6 +45,7 @@ import contextlib
 import json
 import math
 import threading
+import time
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -626,6 +627,10 @@ class FleetTable:
                     return None
                 chunk = order[start : start + _SAVE_CHUNK]
                 np.take(self._rows(), chunk, axis=0, out=vectors[start : start + chunk.size])
+            # Python's locks are not fair: without giving up the GIL here this thread takes
+            # the lock again before a waiting reader has run, chunk after chunk, and the
+            # reader waits for the whole copy (seconds at 1,000,000 drivers).
+            time.sleep(0)
         rows = order.tolist()
         return snapshot.Snapshot(
             dim=self._dim,
