@@ -96,29 +96,41 @@ def write(root: Path, snap: Snapshot) -> Path:
     _remove_snapshots(root, keep=live)  # debris of saves that died midway
     target = root / f"{PREFIX}{_next_generation(root, live):08d}"
     target.mkdir()
-    pointer = root / f"{CURRENT}.tmp"
     try:
         _write_files(target, snap)
-        fsync_path(target)
-        fsync_path(root)  # the new directory's entry is durable before CURRENT names it
-        _write_durably(pointer, (target.name + "\n").encode())
-        os.replace(pointer, root / CURRENT)  # the commit point
+        make_live(root, target)
     except BaseException:
         shutil.rmtree(target, ignore_errors=True)
         with contextlib.suppress(FileNotFoundError):
-            pointer.unlink()
+            (root / f"{CURRENT}.tmp").unlink()
         raise
-    fsync_path(root)
     _remove_snapshots(root, keep=target.name)
     return target
 
 
+def make_live(root: Path, target: Path) -> None:
+    """Point ``CURRENT`` of ``root`` at the complete snapshot directory ``target`` (its files
+    written), durably: the directory and its entry on disk first, then the pointer replaced
+    atomically (the commit point), then the replacement itself on disk."""
+    fsync_path(target)
+    fsync_path(root)  # the new directory's entry is durable before CURRENT names it
+    pointer = root / f"{CURRENT}.tmp"
+    _write_durably(pointer, (target.name + "\n").encode())
+    os.replace(pointer, root / CURRENT)
+    fsync_path(root)
+
+
+def live_dir(root: Path) -> Path | None:
+    """The live snapshot's directory under ``root`` (None: no snapshot yet)."""
+    name = _current_name(root)
+    return None if name is None else root / name
+
+
 def read(root: Path) -> Snapshot | None:
     """The live snapshot under ``root``, or None when there is none (a fresh data dir)."""
-    name = _current_name(root)
-    if name is None:
+    path = live_dir(root)
+    if path is None:
         return None
-    path = root / name
     try:
         meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
         fmt = meta.get("format")

@@ -109,47 +109,38 @@ class FleetLog:
     async def publish(self, change: Change, token: str) -> int:
         """Append ``change`` (its seq is ignored); returns the seq the stream gave it."""
         frame = changes.encode(msgspec.structs.replace(change, seq=0))
-        try:
-            return int(await self._publish(keys=[self.stream], args=[frame, token]))
-        except RedisError as exc:
-            raise FleetLogError(f"the fleet log is unavailable: {type(exc).__name__}") from exc
+        return int(await self._call(self._publish(keys=[self.stream], args=[frame, token])))
 
     async def last_seq(self) -> int:
         """The number of the last change ever appended (0: none yet)."""
-        try:
-            info = await self._client.xinfo_stream(self.stream)
-        except ResponseError:  # no such key: nothing appended yet
-            return 0
-        except RedisError as exc:
-            raise FleetLogError(f"the fleet log is unavailable: {type(exc).__name__}") from exc
-        return int(info["last-generated-id"].split(b"-", 1)[0])
+        info = await self._info()
+        return 0 if info is None else _seq(info["last-generated-id"])
 
     async def read(
         self, after: int, *, block_ms: int | None = 1000, count: int = 512
     ) -> list[Entry]:
         """The entries after change ``after`` (waiting up to ``block_ms`` for one; None: not
         at all)."""
-        try:
-            answer = await self._reader.xread(
-                {self.stream: f"{after}-0"}, count=count, block=block_ms
-            )
-        except RedisError as exc:
-            raise FleetLogError(f"the fleet log is unavailable: {type(exc).__name__}") from exc
-        return list(_entries(answer, after))
+        reading = self._reader.xread({self.stream: f"{after}-0"}, count=count, block=block_ms)
+        return list(_entries(await self._call(reading), after))
 
     async def first_seq(self) -> int:
         """The number of the oldest change the stream still holds (one past the last when
         it holds none: all trimmed, or none ever appended)."""
-        try:
-            info = await self._client.xinfo_stream(self.stream)
-        except ResponseError:
+        info = await self._info()
+        if info is None:
             return 1
-        except RedisError as exc:
-            raise FleetLogError(f"the fleet log is unavailable: {type(exc).__name__}") from exc
         first = info.get("first-entry")
-        if first:
-            return int(first[0].split(b"-", 1)[0])
-        return int(info["last-generated-id"].split(b"-", 1)[0]) + 1
+        return _seq(first[0]) if first else _seq(info["last-generated-id"]) + 1
+
+    async def _info(self) -> dict[Any, Any] | None:
+        """XINFO STREAM of the stream; None while there is none (nothing appended yet)."""
+        try:
+            return dict(await self._client.xinfo_stream(self.stream))
+        except ResponseError:  # no such key
+            return None
+        except RedisError as exc:
+            raise _unavailable(exc) from exc
 
     async def manifest(self) -> dict[str, Any] | None:
         """The published snapshot: {"seq", "name", "files": [[name, size, chunks], ...]}."""
@@ -200,7 +191,7 @@ class FleetLog:
             if sum(map(len, pieces)) != size:
                 raise FleetLogError(f"the published snapshot's {name} is not {size} bytes")
             await asyncio.to_thread(_write_file, target / name, pieces)
-        await asyncio.to_thread(_point, root, target)
+        await asyncio.to_thread(snapshot.make_live, root, target)
         return target
 
     async def _delete_snapshot(self, manifest: dict[str, Any]) -> None:
@@ -216,7 +207,7 @@ class FleetLog:
         try:
             return await pending
         except RedisError as exc:
-            raise FleetLogError(f"the fleet log is unavailable: {type(exc).__name__}") from exc
+            raise _unavailable(exc) from exc
 
     async def close(self) -> None:
         await self._client.aclose()
@@ -229,7 +220,7 @@ def _entries(answer: Any, after: int) -> Iterator[Entry]:
     expected = after + 1
     for _, items in answer:
         for entry_id, fields in items:
-            seq = int(entry_id.split(b"-", 1)[0])
+            seq = _seq(entry_id)
             if seq != expected:
                 raise FleetLogGap(
                     f"the fleet log skips from change {expected - 1} to {seq} (trimmed?)"
@@ -250,15 +241,14 @@ def _write_file(path: Path, pieces: list[bytes]) -> None:
         os.fsync(fh.fileno())
 
 
-def _point(root: Path, target: Path) -> None:
-    """Make ``target`` the live snapshot of ``root``, durably (as ``indexes.snapshot``)."""
-    snapshot.fsync_path(target)
-    pointer = root / f"{snapshot.CURRENT}.tmp"
-    pointer.write_text(target.name + "\n")
-    snapshot.fsync_path(pointer)
-    os.replace(pointer, root / snapshot.CURRENT)
-    snapshot.fsync_path(root)
-
-
 def _files(directory: Path) -> list[Path]:
     return sorted(directory.iterdir())
+
+
+def _seq(entry_id: bytes) -> int:
+    """The change number of a stream entry id (``b"<seq>-0"``)."""
+    return int(entry_id.split(b"-", 1)[0])
+
+
+def _unavailable(exc: RedisError) -> FleetLogError:
+    return FleetLogError(f"the fleet log is unavailable: {type(exc).__name__}")

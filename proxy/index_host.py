@@ -381,10 +381,10 @@ class IndexHost:
         every_s = self.settings.fleet_snapshot_publish_s
         if self.fleet_log is None or time.monotonic() - self._published_at < every_s:
             return
-        root = self.settings.index_dir
-        name = (await asyncio.to_thread((root / snapshot.CURRENT).read_text)).strip()
+        live = await asyncio.to_thread(snapshot.live_dir, self.settings.index_dir)
+        assert live is not None  # a save just made it
         try:
-            if await self.fleet_log.publish_snapshot(root / name, seq, every_s=every_s):
+            if await self.fleet_log.publish_snapshot(live, seq, every_s=every_s):
                 log.info("fleet log: published the snapshot of change %d", seq)
             self._published_at = time.monotonic()
         except FleetLogError as exc:
