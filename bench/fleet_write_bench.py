@@ -37,7 +37,7 @@ from typing import Any
 
 import httpx
 
-from bench.serve_bench import REPO, Server, Wrk, median
+from bench.serve_bench import REPO, Server, Wrk, median, print_table, wrk_errors, wrk_latency
 from features.synthetic import generate_fleet
 from proxy.ipc import RpcClient, address
 
@@ -159,8 +159,7 @@ def report(rows: dict[str, list[list[dict[str, float]]]], args: argparse.Namespa
     )
     columns = ["version", "drivers/req", "conns", "req/s", "drivers/s", "p50 ms", "p99 ms"]
     columns += ["worst p99 ms", "changes/fsync", "errors"]
-    print("| " + " | ".join(columns) + " |")
-    print("|" + "---|" * len(columns))
+    table = []
     phases = [(size, c) for size in SIZES for c in CONNECTIONS]
     for i, (size, connections) in enumerate(phases):
         for version in ("before", "after"):
@@ -168,12 +167,9 @@ def report(rows: dict[str, list[list[dict[str, float]]]], args: argparse.Namespa
             req_s = median([r["req_s"] for r in runs])
             per_flush = median([r["per_flush"] for r in runs])
             cells = [version, str(size), str(connections), f"{req_s:,.0f}", f"{req_s * size:,.0f}"]
-            cells += [f"{median([r['p50_ms'] for r in runs]):.2f}"]
-            cells += [f"{median([r['p99_ms'] for r in runs]):.2f}"]
-            cells += [f"{max(r['p99_ms'] for r in runs):.2f}"]
-            cells += [f"{per_flush:.1f}" if per_flush else "-"]
-            cells += [f"{sum(r['errors'] + r['non2xx'] for r in runs):.0f}"]
-            print("| " + " | ".join(cells) + " |")
+            cells += [*wrk_latency(runs), f"{per_flush:.1f}" if per_flush else "-"]
+            table.append([*cells, wrk_errors(runs)])
+    print_table(columns, table)
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.serve_bench import Server, Wrk, median
+from bench.serve_bench import Server, Wrk, median, print_table, wrk_errors, wrk_latency
 from features.synthetic import generate_fleet
 from indexes import FleetTable
 from indexes.columns import timestamp_us
@@ -106,17 +106,13 @@ def main() -> None:
     )
     columns = ["workers", "conns", "positions/s", "p50 ms", "p99 ms", "worst p99 ms"]
     columns += ["vs move alone", "vs target 100k", "errors"]
-    print("| " + " | ".join(columns) + " |")
-    print("|" + "---|" * len(columns))
+    table = []
     for workers, connections, runs in rows:
         rate = median([r["req_s"] for r in runs]) * BATCH
-        cells = [str(workers), str(connections), f"{rate:,.0f}"]
-        cells += [f"{median([r['p50_ms'] for r in runs]):.1f}"]
-        cells += [f"{median([r['p99_ms'] for r in runs]):.1f}"]
-        cells += [f"{max(r['p99_ms'] for r in runs):.1f}"]
-        cells += [f"{rate / ceiling:.2f}", f"{rate / TARGET:.2f}"]
-        cells += [f"{sum(r['errors'] + r['non2xx'] for r in runs):.0f}"]
-        print("| " + " | ".join(cells) + " |")
+        cells = [str(workers), str(connections), f"{rate:,.0f}", *wrk_latency(runs, 1)]
+        cells += [f"{rate / ceiling:.2f}", f"{rate / TARGET:.2f}", wrk_errors(runs)]
+        table.append(cells)
+    print_table(columns, table)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.serve_bench import Server, Wrk, median
+from bench.serve_bench import Server, Wrk, median, print_table, wrk_errors, wrk_latency
 from features.synthetic import CITIES, generate_fleet
 from indexes import FleetTable
 
@@ -98,15 +98,11 @@ def main() -> None:
         f"{args.runs} runs of {args.duration:g} s"
     )
     columns = ["index device", "req/s", "p50 ms", "p99 ms", "worst p99 ms", "errors"]
-    print("| " + " | ".join(columns) + " |")
-    print("|" + "---|" * len(columns))
-    for device, runs in rows:
-        cells = [device, f"{median([r['req_s'] for r in runs]):,.0f}"]
-        cells += [f"{median([r['p50_ms'] for r in runs]):.2f}"]
-        cells += [f"{median([r['p99_ms'] for r in runs]):.2f}"]
-        cells += [f"{max(r['p99_ms'] for r in runs):.2f}"]
-        cells += [f"{sum(r['errors'] + r['non2xx'] for r in runs):.0f}"]
-        print("| " + " | ".join(cells) + " |")
+    table = [
+        [device, f"{median([r['req_s'] for r in runs]):,.0f}", *wrk_latency(runs), wrk_errors(runs)]
+        for device, runs in rows
+    ]
+    print_table(columns, table)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.serve_bench import Server, Wrk, median
+from bench.serve_bench import Server, Wrk, median, print_table
 from features.synthetic import generate_fleet
 from tests.redis_server import RedisServer
 
@@ -125,8 +125,7 @@ def main() -> None:
     )
     columns = ["phase", "seen on B p50 ms", "p99 ms", "worst p99 ms", "vs target 200 ms"]
     columns += ["PATCH on A p50 ms", "p99 ms"]
-    print("| " + " | ".join(columns) + " |")
-    print("|" + "---|" * len(columns))
+    table = []
     for phase, runs in rows:
         seen_p99 = median([p99(seen) for seen, _ in runs])
         cells = [phase, f"{median([statistics.median(s) for s, _ in runs]):.1f}"]
@@ -134,7 +133,8 @@ def main() -> None:
         cells += [f"{seen_p99 / TARGET_MS:.2f}"]
         cells += [f"{median([statistics.median(a) for _, a in runs]):.1f}"]
         cells += [f"{median([p99(a) for _, a in runs]):.1f}"]
-        print("| " + " | ".join(cells) + " |")
+        table.append(cells)
+    print_table(columns, table)
 
 
 if __name__ == "__main__":

@@ -193,6 +193,26 @@ def median(values: Sequence[float]) -> float:
     return float(statistics.median(values)) if values else 0.0
 
 
+def wrk_latency(runs: Sequence[dict[str, float]], digits: int = 2) -> list[str]:
+    """Table cells of several wrk runs: the median p50, the median p99, the worst run's p99."""
+    p50 = median([r["p50_ms"] for r in runs])
+    p99 = median([r["p99_ms"] for r in runs])
+    return [f"{v:.{digits}f}" for v in (p50, p99, max(r["p99_ms"] for r in runs))]
+
+
+def wrk_errors(runs: Sequence[dict[str, float]]) -> str:
+    """Socket errors and non-2xx answers of several wrk runs, as a table cell."""
+    return f"{sum(r['errors'] + r['non2xx'] for r in runs):.0f}"
+
+
+def print_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """A markdown table."""
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for cells in rows:
+        print("| " + " | ".join(cells) + " |")
+
+
 def measure_layout(
     args: argparse.Namespace, workers: int, settings: dict[str, str], wrk: Wrk, out: Path
 ) -> dict[str, Any]:
