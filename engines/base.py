@@ -22,10 +22,13 @@ import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
+
+if TYPE_CHECKING:
+    from engines.tokenization import FastTokenizer
 
 Vectors = npt.NDArray[np.float32]
 
@@ -119,6 +122,11 @@ class Engine(ABC):
     def embed(self, texts: Sequence[str]) -> Vectors:
         batch = self.tokenize(texts)
         return self.postprocess(self.forward(batch), batch)
+
+    def tokenizer(self) -> FastTokenizer | None:
+        """The tokenizer whose ids this engine pads as they are when a text comes with them
+        (``engines.tokenization.Tokenized``); None: it tokenizes every text itself."""
+        return None
 
     def health(self) -> dict[str, Any]:
         """Cheap liveness facts for /readyz and /v1/stats; never raises.

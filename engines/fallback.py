@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from engines.base import Batch, BatchError, Engine, EngineError, EngineUnavailableError, Vectors
+from engines.tokenization import FastTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +154,15 @@ class FallbackEngine(Engine):
             self.fallback.close()
 
     # -- the engine interface --------------------------------------------------------------
+
+    def tokenizer(self) -> FastTokenizer | None:
+        """The one tokenizer both engines pad ids of, if they agree (an engine without one
+        tokenizes every text itself, so it never disagrees)."""
+        engines = (self.primary,) if self.fallback is None else (self.primary, self.fallback)
+        tokenizers = [t for t in (e.tokenizer() for e in engines) if t is not None]
+        if not tokenizers or len({t.digest for t in tokenizers}) > 1:
+            return None
+        return tokenizers[0]
 
     def tokenize(self, texts: Sequence[str]) -> Batch:
         """Tokenized by the engine expected to run it; the other one tokenizes again."""

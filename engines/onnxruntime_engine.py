@@ -85,6 +85,9 @@ class OnnxRuntimeEngine(Engine):
             raise EngineUnavailableError(f"cannot open {self.onnx_path}: {exc}") from exc
         self._tokenizer = FastTokenizer(self.model_path, self.info.max_seq_length)
 
+    def tokenizer(self) -> FastTokenizer | None:
+        return self._tokenizer
+
     def tokenize(self, texts: Sequence[str]) -> Batch:
         tokens = self._loaded_tokenizer().encode(texts)
         return Batch(

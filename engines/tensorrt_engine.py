@@ -233,6 +233,9 @@ class TensorRTEngine(Engine):
                 ids = np.zeros((profile.batch, profile.seq), dtype=np.int64)
                 executor.run(index, ids, np.ones_like(ids), profile.batch)
 
+    def tokenizer(self) -> FastTokenizer | None:
+        return self._tokenizer
+
     def tokenize(self, texts: Sequence[str]) -> Batch:
         if self._tokenizer is None:
             raise EngineUnavailableError("TensorRTEngine.load() has not been called")

@@ -241,6 +241,9 @@ class TorchEngine(Engine):
         self.embed(["warm-up"] * 4)
         self.embed(["warm-up " * self.info.max_seq_length])
 
+    def tokenizer(self) -> FastTokenizer | None:
+        return self._fast if self._runner is not None else None  # the dynamic path: its own
+
     def tokenize(self, texts: Sequence[str]) -> Batch:
         self._loaded()
         if self._runner is not None:

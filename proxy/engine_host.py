@@ -23,8 +23,11 @@ import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import asdict
+from itertools import chain
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import zmq
 
 from cache.flight import Flown, SingleFlight, Vectors
@@ -34,6 +37,7 @@ from engines.base import Engine, EngineInfo
 from engines.batcher import Batcher, EngineHealth, deadline_after
 from engines.fallback import FallbackEngine
 from engines.registry import create_engine
+from engines.tokenization import FastTokenizer, Tokenized
 from features.text import TEXT_SCHEMA_VERSION
 from proxy.board import Board
 from proxy.gpu_health import GpuCheck
@@ -133,6 +137,7 @@ class EngineHost:
         self.stats = stats
         self.info = engine.info
         self.namespace = cache_namespace(engine.info)
+        self.tokenizer = engine.tokenizer()  # the workers tokenize with the same file, if any
         self._deadlines_ms = {
             "dispatch": settings.dispatch_deadline_ms,
             "warmup": settings.warmup_deadline_ms,
@@ -221,6 +226,13 @@ class EngineHost:
             "last_error": stats.last_error,
             "per_item_ms": stats.per_item_ms,
             "store": None if self.store is None else self.store.store_health(),
+            "tokenizer": None
+            if (t := self.tokenizer) is None
+            else {
+                "path": str(t.path.parent),
+                "max_seq_length": t.max_seq_length,
+                "digest": t.digest,
+            },
         }
 
     def publish(self) -> None:
@@ -329,6 +341,16 @@ def shared_tier(settings: Settings) -> TieredByteStore:
 # -- over IPC ------------------------------------------------------------------------------
 
 
+def tokenized(message: Msg, blobs: Frames, tokenizer: FastTokenizer | None) -> list[str]:
+    """An embed call's texts, each with its token ids when the worker sent ids of
+    ``tokenizer`` (``RemoteEngine._token_ids``); plain texts otherwise."""
+    texts: list[str] = message["texts"]
+    if not blobs or tokenizer is None or message.get("tokenizer") != tokenizer.digest:
+        return texts
+    ids = np.split(np.frombuffer(blobs[0].buffer, "<i4"), message["cuts"])
+    return [Tokenized(text, row) for text, row in zip(texts, ids, strict=True)]
+
+
 def engine_handlers(host: EngineHost, server: RpcServer) -> dict[str, Handler]:
     """The ops of ``RemoteEngine``, served by the engine process."""
 
@@ -337,7 +359,7 @@ def engine_handlers(host: EngineHost, server: RpcServer) -> dict[str, Handler]:
 
     async def embed(message: Msg, blobs: Frames) -> Out:
         flown = await host.embed(
-            message["texts"],
+            tokenized(message, blobs, host.tokenizer),
             lane=message["lane"],
             caller=message["caller"],
             ttl_s=message["ttl"],
@@ -378,6 +400,26 @@ class RemoteEngine:
     def __init__(self, client: RpcClient, info: EngineInfo) -> None:
         self.client = client
         self.info = info
+        self._tokenizer: FastTokenizer | None = None
+
+    def _token_ids(self, texts: Sequence[str]) -> tuple[dict[str, Any], Blobs]:
+        """The texts' token ids when the engine pads ids of a tokenizer this process has: one
+        int32 frame, cut at ``cuts`` (tokenizing here, on the worker's core, leaves the
+        engine process's one interpreter only the padding)."""
+        wanted = self.facts().get("tokenizer")
+        if not wanted or not texts:
+            return {}, ()
+        tokenizer = self._tokenizer
+        if tokenizer is None or tokenizer.digest != wanted["digest"]:
+            tokenizer = FastTokenizer(Path(wanted["path"]), wanted["max_seq_length"])
+            if tokenizer.digest != wanted["digest"]:
+                return {}, ()  # another file by now: the engine tokenizes
+            self._tokenizer = tokenizer
+        ids = tokenizer.ids(texts)
+        lengths = np.fromiter(map(len, ids), np.int64, len(ids))
+        flat = np.fromiter(chain.from_iterable(ids), "<i4", int(lengths.sum()))
+        cuts = np.cumsum(lengths[:-1]).tolist()
+        return {"tokenizer": tokenizer.digest, "cuts": cuts}, [flat.data]
 
     async def embed(
         self,
@@ -390,8 +432,11 @@ class RemoteEngine:
         links: Sequence[tuple[str, str, str]] = (),
         durable: bool = True,
     ) -> Flown:
+        tokens, blobs = self._token_ids(texts)
         reply, frames = await self.client.call(
             "embed",
+            blobs,
+            **tokens,
             texts=list(texts),
             lane=lane,
             caller=caller,

@@ -17,6 +17,7 @@ from typing import Any
 
 from cache.stats import CacheStats
 from engines.base import Batch, Engine, Vectors
+from engines.tokenization import FastTokenizer
 from proxy.board import Board
 
 REQUESTS = "fleetcache_request_duration_seconds"
@@ -85,6 +86,9 @@ class StageTimingEngine(Engine):
 
     def warmup(self) -> None:
         self.inner.warmup()
+
+    def tokenizer(self) -> FastTokenizer | None:
+        return self.inner.tokenizer()
 
     def health(self) -> dict[str, Any]:
         return self.inner.health()

@@ -239,7 +239,7 @@ class StubClient:
         self.texts: list[str] = []
         self.fail: Exception | None = None
 
-    async def call(self, op: str, **args: Any) -> tuple[dict[str, Any], list[Any]]:
+    async def call(self, op: str, blobs: Any = (), **args: Any) -> tuple[dict[str, Any], list[Any]]:
         if self.fail is not None:
             raise self.fail
         texts = args["texts"]

@@ -1,0 +1,193 @@
+"""``FastTokenizer``'s word cache gives exactly the ids of ``encode_batch`` (the model's own
+tokenizer), on the texts of real fleets and on random Unicode strings, and ids computed in one
+process (``Tokenized``) are padded in another exactly as if tokenized there."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import numpy as np
+import pytest
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engines import tokenization
+from engines.base import Engine
+from engines.fake import FakeEngine
+from engines.fallback import FallbackEngine
+from engines.tokenization import FastTokenizer, Tokenized
+from engines.torch_engine import default_model_path
+from features.models import Order
+from features.synthetic import CITIES, iter_fleet
+from features.text import driver_text, order_text, vehicle_text
+from proxy.engine_host import RemoteEngine, tokenized
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+SEQ = (16, 32, 64, 128, 256)
+
+
+@pytest.fixture(scope="module")
+def fast() -> FastTokenizer:
+    return FastTokenizer(default_model_path(), 256)
+
+
+def reference(tokenizer: FastTokenizer, texts: list[str]) -> list[list[int]]:
+    return [e.ids for e in tokenizer._tokenizer.encode_batch(texts)]
+
+
+def fleet_texts() -> list[str]:
+    """Driver, vehicle and order texts of a fleet in every city (accented and CJK names)."""
+    drivers = list(iter_fleet(3000, seed=11, cities=list(CITIES)))
+    orders = [
+        Order.model_validate(
+            {
+                "order_id": f"o{i}",
+                "pickup": {"lat": d.position.lat, "lng": d.position.lng},
+                "pickup_time": datetime(2026, 12, 1, 8, tzinfo=UTC),
+                "cargo": {"weight_kg": 10.0 * i, "volume_m3": 0.1 * i},
+                "constraints": d.profile.certifications,
+                "requirements": f"fragile load for {d.driver_id}, ring at gate {i % 7}",
+            }
+        )
+        for i, d in enumerate(drivers[:300])
+    ]
+    vehicles = [vehicle_text(d.vehicle) for d in drivers]
+    return [driver_text(d) for d in drivers] + vehicles + [order_text(o) for o in orders]
+
+
+def test_word_cache_equals_the_tokenizer_on_real_fleets(fast: FastTokenizer) -> None:
+    texts = fleet_texts()
+    assert any(not t.isascii() for t in texts)  # the non-ASCII city names are in
+    assert all(fast._cached(t) for t in texts)  # ...and still take the cached path
+    assert [list(ids) for ids in fast.ids(texts)] == reference(fast, texts)
+    assert 0 < len(fast._words or {}) < 1000  # a small vocabulary, which is why it pays
+
+
+def test_truncation_keeps_the_special_tokens() -> None:
+    short = FastTokenizer(default_model_path(), 16)
+    texts = ["capacity 1200 kg, volume 8.5 m3; " * 5, "a", "", "   "]
+    assert [list(ids) for ids in short.ids(texts)] == reference(short, texts)
+    assert len(short.ids(texts)[0]) == 16
+
+
+# Characters chosen to break a wrong shortcut: accents and case, final sigma, combining marks,
+# CJK (split apart), symbols and punctuation outside ASCII, other whitespace, controls, the
+# added tokens' text, and plain ASCII words and digits.
+PIECES = st.sampled_from(
+    [
+        "a", "Z", "7", " ", "  ", "_", "-", ".", ",", "%", "[", "]", "#", "van", "KG", "12.5",
+        "é", "É", "ö", "ß", "İ", "Σ", "ΟΔΟΣ", "ς", "\u0301", "\u0308", "北京", "静安", "ｶ",
+        "€", "°", "—", "¿", "…", "🚚", "\u00a0", "\t", "\n", "\u2028", "\u200b", "\x00",
+        "\x7f", "\ufffd", "[MASK]", "[mask]", "[CLS]", "##", "un" * 60,
+    ]
+)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(PIECES, max_size=30).map("".join), min_size=1, max_size=8))
+def test_word_cache_equals_the_tokenizer_on_random_strings(texts: list[str]) -> None:
+    fast = FastTokenizer(default_model_path(), 64)
+    assert [list(ids) for ids in fast.ids(texts)] == reference(fast, texts)
+    assert [list(ids) for ids in fast.ids(texts)] == reference(fast, texts)  # cache warm
+
+
+def test_texts_that_cannot_take_the_cache_go_to_the_tokenizer(fast: FastTokenizer) -> None:
+    for text in ("tail\tlift", "line\nbreak", "a [MASK] b", "nbsp\u00a0van", "a\x00b"):
+        assert not fast._cached(text)
+    assert fast._cached("neukölln, 北京; van") and fast._cached("")
+
+
+def test_the_cache_stays_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tokenization, "MAX_CACHED_WORDS", 10)
+    fast = FastTokenizer(default_model_path(), 256)
+    texts = [f"word{i} other{i}" for i in range(50)]
+    assert [list(ids) for ids in fast.ids(texts)] == reference(fast, texts)
+    assert len(fast._words or {}) == 10
+
+
+def test_ids_from_another_process_pad_like_the_texts(fast: FastTokenizer) -> None:
+    texts = [*fleet_texts()[:100], "tab\there"]
+    wire = [np.asarray(ids, dtype=np.int32) for ids in fast.ids(texts)]  # as a worker sends
+    tokenized = [Tokenized(t, ids) for t, ids in zip(texts, wire, strict=True)]
+    assert tokenized == texts and {tokenized[0]: 1}[texts[0]] == 1  # equal, hashed alike
+    mixed = tokenized[:50] + texts[50:]  # some pre-tokenized, some not
+    for batch in (tokenized, mixed):
+        got, want = fast.encode(batch, BUCKETS, SEQ), fast.encode(texts, BUCKETS, SEQ)
+        assert np.array_equal(got.input_ids, want.input_ids)
+        assert np.array_equal(got.attention_mask, want.attention_mask)
+        assert got.lengths.tolist() == [len(ids) for ids in reference(fast, texts)]
+        longest = max(len(ids) for ids in wire)
+        assert got.input_ids.shape == (128, tokenization.bucket_for(longest, SEQ))  # 101 texts
+
+
+def test_digest_names_the_file_and_the_truncation() -> None:
+    a, b = FastTokenizer(default_model_path(), 256), FastTokenizer(default_model_path(), 256)
+    assert a.digest == b.digest != FastTokenizer(default_model_path(), 128).digest
+
+
+# -- over IPC: the worker tokenizes, the engine process pads -----------------------------------
+
+
+class Client:
+    """The ``RpcClient`` of ``RemoteEngine``: the engine's facts from its last ping."""
+
+    def __init__(self, tokenizer: FastTokenizer | None) -> None:
+        self.up = True
+        self.facts = {
+            "tokenizer": None
+            if tokenizer is None
+            else {
+                "path": str(tokenizer.path.parent),
+                "max_seq_length": tokenizer.max_seq_length,
+                "digest": tokenizer.digest,
+            }
+        }
+
+
+def on_the_wire(
+    remote: RemoteEngine, texts: list[str]
+) -> tuple[dict[str, object], list[zmq.Frame]]:
+    header, blobs = remote._token_ids(texts)
+    return {**header, "texts": texts}, [zmq.Frame(bytes(blob)) for blob in blobs]
+
+
+def test_a_worker_sends_ids_the_engine_process_takes_as_they_are(fast: FastTokenizer) -> None:
+    texts = [*fleet_texts()[:40], "tab\there", "", "[MASK] me"]
+    remote = RemoteEngine(Client(fast), FakeEngine().info)  # type: ignore[arg-type]
+    message, frames = on_the_wire(remote, texts)
+    got = tokenized(message, frames, fast)
+    assert got == texts and all(isinstance(t, Tokenized) for t in got)
+    assert [list(t.ids) for t in got if isinstance(t, Tokenized)] == reference(fast, texts)
+
+
+def test_no_ids_for_an_engine_without_the_same_tokenizer(fast: FastTokenizer) -> None:
+    texts = fleet_texts()[:5]
+    remote = RemoteEngine(Client(None), FakeEngine().info)  # type: ignore[arg-type]
+    assert remote._token_ids(texts) == ({}, ())  # an engine that tokenizes itself (fake)
+    message, frames = on_the_wire(RemoteEngine(Client(fast), FakeEngine().info), texts)  # type: ignore[arg-type]
+    other = FastTokenizer(default_model_path(), 128)  # another truncation: other ids
+    assert not any(isinstance(t, Tokenized) for t in tokenized(message, frames, other))
+    assert not any(isinstance(t, Tokenized) for t in tokenized(message, frames, None))
+
+
+class WithTokenizer(FakeEngine):
+    def __init__(self, tokenizer: FastTokenizer | None) -> None:
+        super().__init__()
+        self._tokenizer = tokenizer
+
+    def tokenizer(self) -> FastTokenizer | None:
+        return self._tokenizer
+
+
+def test_a_fallback_engine_takes_ids_only_when_both_engines_agree(fast: FastTokenizer) -> None:
+    other = FastTokenizer(default_model_path(), 128)
+
+    def pair(primary: Engine, fallback: Engine | None) -> FastTokenizer | None:
+        return FallbackEngine(primary, fallback).tokenizer()
+
+    assert pair(WithTokenizer(fast), None) is fast
+    assert pair(WithTokenizer(fast), WithTokenizer(None)) is fast  # it tokenizes itself
+    assert pair(WithTokenizer(fast), WithTokenizer(FastTokenizer(default_model_path(), 256)))
+    assert pair(WithTokenizer(fast), WithTokenizer(other)) is None
+    assert pair(WithTokenizer(None), None) is None
