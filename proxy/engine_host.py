@@ -42,6 +42,7 @@ from features.text import TEXT_SCHEMA_VERSION
 from proxy.board import Board
 from proxy.gpu_health import GpuCheck
 from proxy.ipc import Blobs, Handler, RpcClient, RpcServer, frame_rows, rows_frame
+from proxy.lmdb_writer import LmdbWriterStore
 from proxy.settings import Settings
 from proxy.telemetry import (
     LANE_QUEUE_WAIT,
@@ -283,8 +284,7 @@ async def open_engine_host(
         )
         owned = store is None
         if store is None:
-            store = shared_tier(settings)
-            stack.callback(store.close)
+            store = await stack.enter_async_context(shared_tier(settings))
         counts = stats or BoardCacheStats(board)
         host: EngineHost | None = None
 
@@ -323,19 +323,30 @@ async def open_engine_host(
         yield host
 
 
-def shared_tier(settings: Settings) -> TieredByteStore:
-    """The shared tier alone (no memory tier): what the engine process writes rows to."""
+@contextlib.asynccontextmanager
+async def shared_tier(settings: Settings) -> AsyncIterator[TieredByteStore]:
+    """The shared tier alone (no memory tier): what the engine process writes rows to; LMDB's
+    writes through a writer child (``proxy.lmdb_writer``)."""
     from cache import stores
 
+    map_size = int(settings.lmdb_map_size_gb * 2**30)
     if settings.store == "lmdb":
         settings.data_dir.mkdir(parents=True, exist_ok=True)
-    return stores.build_store(
-        settings.store,
-        memory_bytes=0,
-        data_dir=settings.data_dir,
-        map_size=int(settings.lmdb_map_size_gb * 2**30),
-        redis_url=settings.redis_url,
-    )
+        level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+        writer = LmdbWriterStore(settings.lmdb_path, map_size, log_level=level)
+        tier = stores.TieredByteStore(stores.MemoryByteStore(0), await writer.start())
+    else:
+        tier = stores.build_store(
+            settings.store,
+            memory_bytes=0,
+            data_dir=settings.data_dir,
+            map_size=map_size,
+            redis_url=settings.redis_url,
+        )
+    try:
+        yield tier
+    finally:
+        await tier.aclose()
 
 
 # -- over IPC ------------------------------------------------------------------------------

@@ -107,6 +107,11 @@ def _stop_event() -> asyncio.Event:
     return stop
 
 
+async def serve_until_stopped(server: RpcServer) -> None:
+    """Serve until SIGTERM or SIGINT (a child that owns nothing else)."""
+    await _serve(server, _stop_event())
+
+
 async def _serve(server: RpcServer, stop: asyncio.Event) -> None:
     task = asyncio.create_task(server.serve(), name=f"serve {server.address}")
     try:
