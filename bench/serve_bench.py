@@ -6,7 +6,8 @@ the same app in one process, ``create_app`` under uvicorn, as v1 ran) on a fresh
 - ``/healthz`` alone: its p99 (the idle probe latency);
 - all-hit requests (``bench/wrk/hits.lua``: 32 texts from a prefilled pool of 4,096, base64),
   with a second wrk on ``/healthz`` beside them: req/s, texts/s, p50/p99, and the probe's p99
-  under that load against idle;
+  under that load against idle; with workers also a third on the health port's ``/healthz``
+  (``FLEETCACHE_HEALTH_PORT``, the supervisor's);
 - all-miss requests (``misses.lua``: 32 texts never seen before, in every run): texts/s,
   p50/p99, and how many texts each engine process took;
 - with ``--devices D ...``: each layout once per ``FLEETCACHE_DEVICE`` value (``cuda`` vs
@@ -89,8 +90,11 @@ class Server:
         self.workers = workers
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.health_url = f"http://127.0.0.1:{free_port()}" if workers else None
         env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETCACHE_")}
         env |= {f"FLEETCACHE_{k.upper()}": v for k, v in settings.items()}
+        if self.health_url:
+            env["FLEETCACHE_HEALTH_PORT"] = self.health_url.rsplit(":", 1)[1]
         env |= {"FLEETCACHE_DATA_DIR": str(data_dir), "HF_HUB_OFFLINE": "1"}
         env["PYTHONPATH"] = os.pathsep.join([str(code), env.get("PYTHONPATH", "")])
         if workers:
@@ -230,12 +234,19 @@ def measure_layout(
         prefill(server.url)
         url, c, d = server.url, args.connections, args.duration
         idle = wrk.run("healthz.lua", url, 4, min(d, 4))
-        runs: dict[str, list[dict[str, float]]] = {"hits": [], "probe": [], "misses": []}
+        health = server.health_url
+        idle_health = wrk.run("healthz.lua", health, 4, min(d, 4)) if health else None
+        runs: dict[str, list[dict[str, float]]] = {
+            "hits": [], "probe": [], "health": [], "misses": []
+        }  # fmt: skip
         for run in range(args.runs):
             if not args.skip_hits:
                 probe = wrk.start("healthz.lua", url, 2, d)
+                beside = wrk.start("healthz.lua", health, 2, d) if health else None
                 runs["hits"].append(wrk.run("hits.lua", url, c, d, POOL=str(POOL), FMT="base64"))
                 runs["probe"].append(wrk.result(probe))
+                if beside is not None:
+                    runs["health"].append(wrk.result(beside))
             with profiled(args, server, out / f"profile-misses-{workers}.txt", run == 0):
                 runs["misses"].append(
                     wrk.run("misses.lua", url, c, d, FMT="base64", SALT=f"r{run}-")
@@ -247,6 +258,7 @@ def measure_layout(
             killed = kill_engine_under_load(server, wrk, c, d)
         stats = server.stats()
         row: dict[str, Any] = {"layout": name, "ready_s": ready_s, "idle_probe_p99": idle["p99_ms"]}
+        row["idle_health_p99"] = idle_health["p99_ms"] if idle_health else None
         row["device_items"] = [device["items"] for device in stats["inference"]["devices"]]
         row["killed"] = killed
         row["twins"] = twins
@@ -449,18 +461,23 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
         print(f"batcher alone (no HTTP, no IPC): {batcher:,.0f} texts/s")
     print(
         "\n| layout | ready s | hits req/s | hit texts/s | hit p50 / p99 ms (worst) | "
-        "probe p99 idle -> under hits ms | miss texts/s | miss p50 / p99 ms | "
-        "misses / batcher | items == misses | per-worker requests | items per engine |"
+        "probe p99 idle -> under hits ms | health port p99 idle -> under hits ms | "
+        "miss texts/s | miss p50 / p99 ms | misses / batcher | items == misses | "
+        "per-worker requests | items per engine |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         hits, probe, misses = r["hits"], r["probe"], r["misses"]
         ratio = f"{misses['req_s'] * 32 / batcher:.2f}" if batcher else "-"
+        health = "-"
+        if r["idle_health_p99"] and r["health"]["p99_ms"]:
+            idle, busy = r["idle_health_p99"], r["health"]["p99_ms"]
+            health = f"{idle:.2f} -> {busy:.2f} ({busy / max(idle, 1e-6):.1f}x)"
         print(
             f"| {r['layout']} | {r['ready_s']:.1f} | {hits['req_s']:,.0f} | "
             f"{hits['req_s'] * 32:,.0f} | {hits['p50_ms']:.1f} / {hits['p99_ms']:.1f} "
             f"({hits['worst_p99_ms']:.1f}) | {r['idle_probe_p99']:.2f} -> {probe['p99_ms']:.2f} "
-            f"({probe['p99_ms'] / max(r['idle_probe_p99'], 1e-6):.1f}x) | "
+            f"({probe['p99_ms'] / max(r['idle_probe_p99'], 1e-6):.1f}x) | {health} | "
             f"{misses['req_s'] * 32:,.0f} | {misses['p50_ms']:.1f} / {misses['p99_ms']:.1f} | "
             f"{ratio} | {r['items_equal_misses']} | {r['per_worker_requests']} | "
             f"{r['device_items']} |"
@@ -488,7 +505,8 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
                 f"{k['req_s'] * 32:,.0f} texts/s, p99 {k['p99_ms']:.1f} ms; back in "
                 f"{k['back_s'] if k['back_s'] is None else round(k['back_s'], 1)} s"
             )
-    errors = {r["layout"]: sum(r[p]["errors"] for p in ("hits", "probe", "misses")) for r in rows}
+    phases = ("hits", "probe", "health", "misses")
+    errors = {r["layout"]: sum(r[p]["errors"] for p in phases) for r in rows}
     print(f"\nwrk errors (connect/read/write/timeout/non-2xx): {errors}")
     warm = [r for r in rows if "warmup" in r]
     if warm:

@@ -94,6 +94,9 @@ class Settings(BaseSettings):
     max_body_mb: float = Field(16.0, gt=0.0, description="a request body (413 above)")
     max_upload_mb: float = Field(512.0, gt=0.0, description="a warm-up upload body")
     max_rejects: int = Field(10_000, ge=0, description="lines kept in a job's rejects file")
+    health_port: int | None = Field(
+        None, ge=1, le=65535, description="the supervisor's own /healthz (liveness under load)"
+    )
     # fleet index
     demo_drivers: int = Field(0, ge=0, description="synthetic drivers loaded at start")
     demo_seed: int = 0

@@ -25,7 +25,7 @@ import pytest
 
 from features.readers import write_records
 from features.synthetic import generate_fleet
-from tests.serve_process import FleetcacheServer, alive
+from tests.serve_process import FleetcacheServer, alive, free_port
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -287,3 +287,22 @@ def test_a_warmup_job_runs_in_a_process_of_its_own_beside_dispatch(tmp_path: Pat
         # bound that matters is measured in bench/serve_bench.py.
         print(f"cached lookup p99: idle {idle_p99:.1f} ms, during the job {busy_p99:.1f} ms")
         assert busy_p99 <= max(10 * idle_p99, idle_p99 + 100), (idle_p99, busy_p99)
+
+
+def test_the_health_port_answers_from_the_supervisor(tmp_path: Path) -> None:
+    """FLEETCACHE_HEALTH_PORT: liveness from the supervisor, which waits behind no request."""
+    port = free_port()
+    with FleetcacheServer(tmp_path, workers=2, health_port=port) as server:
+        health = f"http://127.0.0.1:{port}"
+        with httpx.Client(base_url=health, timeout=5) as client:  # one keep-alive connection
+            answers = [client.get("/healthz") for _ in range(3)]
+            assert [a.status_code for a in answers] == [200] * 3
+            assert answers[0].json() == {"status": "ok", "workers": 2}
+            missing = client.get("/v1/stats")
+            assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+        supervisor = server.process
+        assert supervisor is not None
+        supervisor.send_signal(signal.SIGTERM)
+        supervisor.wait(60)
+    with pytest.raises(httpx.TransportError):  # gone with the supervisor
+        httpx.get(f"{health}/healthz", timeout=2)
