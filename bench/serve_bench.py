@@ -456,6 +456,7 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
     print(
         f"engine {args.engine} on {args.device}, store {args.store}, {args.connections} "
         f"connections, {args.duration} s x {args.runs} runs, 32 texts a request, base64"
+        + "".join(f", {pair}" for pair in args.set)
     )
     if batcher:
         print(f"batcher alone (no HTTP, no IPC): {batcher:,.0f} texts/s")
@@ -564,6 +565,9 @@ def main() -> None:
     parser.add_argument("--server-cpus", default="", help="taskset cpu list for the server")
     parser.add_argument("--out", default=None, help="directory for logs and stats")
     parser.add_argument("--profile", default="", help="py-spy binary: profile misses, warm-up")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="NAME=VALUE", help="a FLEETCACHE_ setting"
+    )
     args = parser.parse_args()
     if args.serve_single:
         serve_single(args.serve_single)
@@ -579,6 +583,7 @@ def main() -> None:
         settings["fake_delay_ms"] = args.fake_delay_ms
     if args.model:
         settings["model_path"] = args.model
+    settings |= dict(pair.split("=", 1) for pair in args.set)
     args.devices = args.devices or [args.device]
     wrk = Wrk(args.wrk, args.wrk_threads, args.wrk_cpus)
     with out_dir(args.out) as out:

@@ -283,7 +283,7 @@ class LmdbByteStore(CacheStore):
             group, self._group = self._group, []
             items = [pair for pairs, _ in group for pair in pairs]
             try:
-                await asyncio.to_thread(self.mset, items)
+                await self._commit(items)
             except Exception as exc:
                 for _, done in group:
                     if not done.done():
@@ -292,6 +292,10 @@ class LmdbByteStore(CacheStore):
                 for _, done in group:
                     if not done.done():
                         done.set_result(None)
+
+    async def _commit(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """One write transaction of a group's ``items``."""
+        await asyncio.to_thread(self.mset, items)
 
     async def amdelete(self, keys: Sequence[str]) -> None:
         await asyncio.to_thread(self.mdelete, keys)

@@ -7,13 +7,14 @@ new texts, 2026-12-01): the engine process's event loop was busy 88% of the time
 writer thread 100%, nearly all of it at the ``put`` line (waiting for the GIL); with no
 write-back at all (``--store memory``) the same run computed 1.7x the texts. Here the engine
 process only sends the encoded entries; a child process with an interpreter of its own owns
-the write transactions (one group commit, one fsync, for every write-back that arrives while
-the last one commits), and reads stay local (LMDB readers never wait for the writer)::
+the write transactions, and reads stay local (LMDB readers never wait for the writer). The
+write-backs that arrive while one group is on its way go together in the next (one message,
+one transaction, one fsync)::
 
-    engine process                               writer child (writer_main)
-      TieredByteStore                              LmdbByteStore.amset: group commit
-        LmdbWriterStore.amset ---- keys, values -->
-        reads, deletes: its own transactions  <--- ack (the entries are committed)
+    engine process                                 writer child (writer_main)
+      TieredByteStore                                LmdbByteStore.mset: one transaction
+        LmdbWriterStore.amset: group ---- keys, values -->
+        reads, deletes: its own transactions  <------ ack (the entries are committed)
 
 The child dies with the engine process (PDEATHSIG) and the engine starts another on the next
 write after it exited; a write it does not acknowledge raises here, where the tiers count it
@@ -74,19 +75,18 @@ class LmdbWriterStore(LmdbByteStore):
     def pid(self) -> int | None:
         return None if self._process is None else self._process.pid
 
-    async def amset(self, key_value_pairs: Sequence[tuple[str, bytes]]) -> None:
-        if not key_value_pairs:
-            return
+    async def _commit(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """A group of ``amset`` calls (``LmdbByteStore``'s group commit) as one message."""
         if self._client is None or self._process is None:
             raise RuntimeError("LmdbWriterStore.start() has not been called")
         if self._process.exitcode is not None:  # died (killed, or the OOM killer): again
             log.warning("the LMDB writer exited with %s; starting another", self._process.exitcode)
             self._spawn()
             await self._client.wait_up(WRITE_TIMEOUT_S)
-        keys = [key for key, _ in key_value_pairs]
+        keys = [key for key, _ in items]
         for key in keys:
             self._key(key)  # the same ValueError as a local write, before anything is sent
-        values = [value for _, value in key_value_pairs]
+        values = [value for _, value in items]
         cuts = list(accumulate(map(len, values)))[:-1]
         await self._client.call(
             "mset", [b"".join(values)], keys=keys, cuts=cuts, timeout_s=WRITE_TIMEOUT_S

@@ -75,6 +75,9 @@ class Settings(BaseSettings):
     )
     # cache
     store: StoreKind = "lmdb"
+    lmdb_writer: Literal["auto", "process", "thread"] = Field(
+        "auto", description="the engine's LMDB writes: a child process (auto: 8+ cores) or a thread"
+    )
     redis_url: str = "redis://127.0.0.1:6379/0"
     data_dir: Path = Path("./data")
     memory_cache_mb: float = Field(256.0, ge=0.0, description="tier-1 LRU size")

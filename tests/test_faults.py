@@ -131,10 +131,13 @@ def test_a_batch_failing_on_what_it_holds_fails_only_its_request(tmp_path: Path)
         assert server.stop() == 0
 
 
-def test_a_full_lmdb_map_keeps_serving(tmp_path: Path) -> None:
-    """2 MB of map fills within seconds: the engine process's write-backs fail, requests do
-    not, and /v1/stats says so with the reason."""
-    server = FleetcacheServer(tmp_path, workers=2, lmdb_map_size_gb=0.002).start()
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_a_full_lmdb_map_keeps_serving(tmp_path: Path, writer: str) -> None:
+    """2 MB of map fills within seconds: the engine process's write-backs fail (in its own
+    thread, or in its writer child), requests do not, and /v1/stats says so with the reason."""
+    server = FleetcacheServer(
+        tmp_path, workers=2, lmdb_map_size_gb=0.002, lmdb_writer=writer
+    ).start()
     try:
         with Load(server.url).running() as load:
             deadline = time.monotonic() + 60

@@ -46,9 +46,14 @@ def requests_by_worker(server: FleetcacheServer) -> dict[int, int]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetcacheServer]:
-    # each forward sleeps 1.5 s: a batch stays in the engine while 50 clients connect
+    # each forward sleeps 1.5 s: a batch stays in the engine while 50 clients connect; the
+    # engine's LMDB writes in a writer child, as on a machine of 8 cores or more
     with FleetcacheServer(
-        tmp_path_factory.mktemp("serve"), workers=2, fake_delay_ms=1500, demo_drivers=100
+        tmp_path_factory.mktemp("serve"),
+        workers=2,
+        fake_delay_ms=1500,
+        demo_drivers=100,
+        lmdb_writer="process",
     ) as s:
         yield s
 
