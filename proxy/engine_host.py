@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import asdict
@@ -324,12 +323,6 @@ async def open_engine_host(
         yield host
 
 
-# The LMDB writer child pays where cores are spare; on the 2-core box it competes with the
-# workers and the engine for the same two (serve_bench --set lmdb_writer=process | thread
-# there: 15,971 and 17,790 new texts/s against 16,618 and 17,118: no gain).
-WRITER_CHILD_CORES = 8
-
-
 @contextlib.asynccontextmanager
 async def shared_tier(settings: Settings) -> AsyncIterator[TieredByteStore]:
     """The shared tier alone (no memory tier): what the engine process writes rows to; LMDB's
@@ -337,10 +330,7 @@ async def shared_tier(settings: Settings) -> AsyncIterator[TieredByteStore]:
     from cache import stores
 
     map_size = int(settings.lmdb_map_size_gb * 2**30)
-    child = settings.lmdb_writer == "process" or (
-        settings.lmdb_writer == "auto" and (os.cpu_count() or 1) >= WRITER_CHILD_CORES
-    )
-    if settings.store == "lmdb" and child:
+    if settings.store == "lmdb" and settings.lmdb_writer == "process":
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
         writer = LmdbWriterStore(settings.lmdb_path, map_size, log_level=level)

@@ -1,13 +1,16 @@
 """The engine process's LMDB writes, in a child process of their own.
 
-py-lmdb lets go of the GIL around every ``put`` and takes it back after, so a thread of the
-engine process writing back 256 rows hands the interpreter to and from the event loop that
-drives the device 256 times. Measured on the H200 (``bench/serve_bench.py``, 8 workers, all
-new texts, 2026-12-01): the engine process's event loop was busy 88% of the time and its
-writer thread 100%, nearly all of it at the ``put`` line (waiting for the GIL); with no
-write-back at all (``--store memory``) the same run computed 1.7x the texts. Here the engine
-process only sends the encoded entries; a child process with an interpreter of its own owns
-the write transactions, and reads stay local (LMDB readers never wait for the writer). The
+``FLEETCACHE_LMDB_WRITER=process`` (the default is ``thread``). py-lmdb lets go of the GIL
+around every ``put`` and takes it back after, so a thread of the engine process writing back
+256 rows hands the interpreter to and from the event loop that drives the device 256 times.
+Seen on the H200 (``bench/serve_bench.py``, 8 workers, all new texts, 2026-12-01, py-spy): the
+engine's writer thread 100% busy, nearly all of it at the ``put`` line; with no write-back at
+all (``--store memory``) 32,738 new texts/s against 20,218. Here the engine process only sends
+the encoded entries; a child process with an interpreter of its own owns the write
+transactions, and reads stay local (LMDB readers never wait for the writer). Not yet a gain:
+its first form (one message per write-back) served 14,243 new texts/s on the H200 where the
+thread served 19,483 (the child was then busy in commit, i.e. fsync, and the engine's loop
+paid a message per write-back); this grouped form has not run there yet. The
 write-backs that arrive while one group is on its way go together in the next (one message,
 one transaction, one fsync)::
 

@@ -75,8 +75,8 @@ class Settings(BaseSettings):
     )
     # cache
     store: StoreKind = "lmdb"
-    lmdb_writer: Literal["auto", "process", "thread"] = Field(
-        "auto", description="the engine's LMDB writes: a child process (auto: 8+ cores) or a thread"
+    lmdb_writer: Literal["thread", "process"] = Field(
+        "thread", description="the engine's LMDB writes: in a thread, or in a child process"
     )
     redis_url: str = "redis://127.0.0.1:6379/0"
     data_dir: Path = Path("./data")
