@@ -6,8 +6,9 @@ the same app in one process, ``create_app`` under uvicorn, as v1 ran) on a fresh
 - ``/healthz`` alone: its p99 (the idle probe latency);
 - all-hit requests (``bench/wrk/hits.lua``: 32 texts from a prefilled pool of 4,096, base64),
   with a second wrk on ``/healthz`` beside them: req/s, texts/s, p50/p99, and the probe's p99
-  under that load against idle; with workers also a third on the health port's ``/healthz``
-  (``FLEETCACHE_HEALTH_PORT``, the supervisor's);
+  under that load against idle (2 connections, one request each every ``PROBE_GAP_MS``: before
+  2026-12-01 20:35 UTC a closed loop, which loaded the server it measured); with workers also
+  the same probe on the health port (``FLEETCACHE_HEALTH_PORT``, the supervisor's);
 - all-miss requests (``misses.lua``: 32 texts never seen before, in every run): texts/s,
   p50/p99, and how many texts each engine process took;
 - with ``--devices D ...``: each layout once per ``FLEETCACHE_DEVICE`` value (``cuda`` vs
@@ -193,6 +194,21 @@ def prefill(url: str) -> None:
             response.raise_for_status()
 
 
+PROBE_GAP_MS = 10  # each probe connection sends one /healthz every 10 ms (a probe is periodic)
+
+
+def settle(server: Server, timeout_s: float = 60.0) -> None:
+    """Until nothing is queued at the engine or waiting to be written back, then a second
+    more: an idle figure taken while the prefill's write-backs still run is not idle."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stats = server.stats()
+        if stats["queue"]["depth"] == 0 and stats["cache"]["in_flight"] == 0:
+            break
+        time.sleep(0.1)
+    time.sleep(1.0)
+
+
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values)) if values else 0.0
 
@@ -232,17 +248,19 @@ def measure_layout(
         server.wait_ready()
         ready_s = time.monotonic() - started
         prefill(server.url)
+        settle(server)
         url, c, d = server.url, args.connections, args.duration
-        idle = wrk.run("healthz.lua", url, 4, min(d, 4))
+        gap = {"GAP_MS": str(PROBE_GAP_MS)}
+        idle = wrk.run("healthz.lua", url, 2, min(d, 4), **gap)
         health = server.health_url
-        idle_health = wrk.run("healthz.lua", health, 4, min(d, 4)) if health else None
+        idle_health = wrk.run("healthz.lua", health, 2, min(d, 4), **gap) if health else None
         runs: dict[str, list[dict[str, float]]] = {
             "hits": [], "probe": [], "health": [], "misses": []
         }  # fmt: skip
         for run in range(args.runs):
             if not args.skip_hits:
-                probe = wrk.start("healthz.lua", url, 2, d)
-                beside = wrk.start("healthz.lua", health, 2, d) if health else None
+                probe = wrk.start("healthz.lua", url, 2, d, **gap)
+                beside = wrk.start("healthz.lua", health, 2, d, **gap) if health else None
                 runs["hits"].append(wrk.run("hits.lua", url, c, d, POOL=str(POOL), FMT="base64"))
                 runs["probe"].append(wrk.result(probe))
                 if beside is not None:
