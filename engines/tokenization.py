@@ -47,7 +47,11 @@ Ids = Sequence[int] | npt.NDArray[np.int32]
 # After lowercasing, a printable-ASCII text's words: runs of letters and digits, and each other
 # non-space character alone (BERT counts every ASCII symbol as punctuation, "_" included).
 _WORD = re.compile(r"[a-z0-9]+|[^a-z0-9 ]")
-MAX_CACHED_WORDS = 200_000  # past it, new words are tokenized each time (never unbounded)
+# The word cache's bounds (a client choosing its texts must not grow a worker's memory): past
+# MAX_CACHED_WORDS, or for a word longer than MAX_CACHED_WORD_CHARS, ids are computed each
+# time. Worst case ~50k x (64 chars + their ids) = tens of MB; a fleet's texts need hundreds.
+MAX_CACHED_WORDS = 50_000
+MAX_CACHED_WORD_CHARS = 64
 
 # Shape buckets: a batch runs at the smallest bucket that holds it (graphs and profiles exist
 # for these shapes only). Powers of two keep padding under 2x.
@@ -110,7 +114,7 @@ class _WordIds(dict[str, tuple[int, ...]]):
     def __missing__(self, word: str) -> tuple[int, ...]:
         with self._lock:  # HF tokenizers raise "Already borrowed" when used concurrently
             ids = tuple(self._encode(word, add_special_tokens=False).ids)
-        if len(self) < MAX_CACHED_WORDS:
+        if len(self) < MAX_CACHED_WORDS and len(word) <= MAX_CACHED_WORD_CHARS:
             self[word] = ids
         return ids
 

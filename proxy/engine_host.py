@@ -325,8 +325,9 @@ async def open_engine_host(
 
 @contextlib.asynccontextmanager
 async def shared_tier(settings: Settings) -> AsyncIterator[TieredByteStore]:
-    """The shared tier alone (no memory tier): what the engine process writes rows to; LMDB's
-    writes through a writer child (``proxy.lmdb_writer``)."""
+    """The shared tier alone (no memory tier): what the engine process writes rows to; with
+    ``FLEETCACHE_LMDB_WRITER=process``, LMDB's writes through a writer child
+    (``proxy.lmdb_writer``)."""
     from cache import stores
 
     map_size = int(settings.lmdb_map_size_gb * 2**30)

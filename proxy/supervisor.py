@@ -150,6 +150,7 @@ class Supervisor:
         self._stopping = False
         self.slots: list[Slot] = []
         self.live_workers = 0  # set by the watch loop, read by the health port's thread
+        self._health: http.server.ThreadingHTTPServer | None = None
 
     def run(self) -> int:
         run_dir = Path(tempfile.mkdtemp(prefix="fleetcache-"))
@@ -160,6 +161,9 @@ class Supervisor:
         try:
             return self._run(run_dir)
         finally:
+            if self._health is not None:
+                self._health.shutdown()
+                self._health.server_close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -177,7 +181,7 @@ class Supervisor:
         )
         (run_dir / SPEC_FILE).write_text(json.dumps(asdict(spec)))  # for warm-up jobs
         check_port(self.host, self.port)  # fail here, clearly, before anything starts
-        health = self._health_server()
+        self._health = self._health_server()
         ctx = self._ctx
 
         def child(target: Callable[..., None], name: str, *args: Any) -> Callable[[], BaseProcess]:
@@ -233,9 +237,6 @@ class Supervisor:
         finally:
             self._stop_all(board)
             board.close()
-            if health is not None:
-                health.shutdown()
-                health.server_close()
         return 0
 
     def _health_server(self) -> http.server.ThreadingHTTPServer | None:
@@ -252,7 +253,9 @@ class Supervisor:
             def do_GET(self) -> None:
                 body: dict[str, Any]
                 if self.path != "/healthz":
-                    code, body = 404, {"error": {"code": "not_found", "message": self.path}}
+                    message = f"{self.path}: the health port answers GET /healthz only"
+                    error = {"type": "not_found", "message": message, "param": None}
+                    code, body = 404, {"error": error}
                 elif supervisor._stopping or not supervisor.live_workers:
                     reason = "stopping" if supervisor._stopping else "no live worker"
                     code, body = 503, {"status": reason, "workers": supervisor.live_workers}
@@ -268,7 +271,10 @@ class Supervisor:
             def log_message(self, format: str, *args: Any) -> None:
                 pass  # a probe every few seconds is not news
 
-        server = http.server.ThreadingHTTPServer((self.host, port), Health)
+        try:
+            server = http.server.ThreadingHTTPServer((self.host, port), Health)
+        except OSError as exc:  # the CLI names the main port: say which one failed
+            raise OSError(exc.errno, f"health port {port}: {exc.strerror or exc}") from exc
         server.daemon_threads = True
         threading.Thread(target=server.serve_forever, name="health-port", daemon=True).start()
         log.info("health port: http://%s:%d/healthz", self.host, port)

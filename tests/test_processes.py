@@ -304,10 +304,23 @@ def test_the_health_port_answers_from_the_supervisor(tmp_path: Path) -> None:
             assert [a.status_code for a in answers] == [200] * 3
             assert answers[0].json() == {"status": "ok", "workers": 2}
             missing = client.get("/v1/stats")
-            assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+            assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found"
         supervisor = server.process
         assert supervisor is not None
         supervisor.send_signal(signal.SIGTERM)
         supervisor.wait(60)
     with pytest.raises(httpx.TransportError):  # gone with the supervisor
         httpx.get(f"{health}/healthz", timeout=2)
+
+
+def test_a_health_port_in_use_stops_the_start_naming_it(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = FleetcacheServer(tmp_path, workers=1, health_port=port)
+        with pytest.raises(AssertionError, match=f"health port {port}"):
+            server.start(timeout_s=30)
+    assert server.process is not None and server.process.wait(10) == 1
