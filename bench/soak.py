@@ -10,7 +10,9 @@ measured from the moment its request was due, so a stall shows up in full), mixi
     15%  PATCH /v1/fleet/drivers/{id}, a demo driver's new position (no inference)
 
 Every minute it prints requests, errors, p50/p99 (all kinds) and the server's resident memory
-(every process of the tree, from /proc: all of it, and its anonymous part). The verdict, as
+(every process of the tree, from /proc: all of it, and its anonymous part) beside the bytes of
+entries the workers' memory tiers hold (``/v1/stats``), so that a growth can be set against
+the tiers filling. The verdict, as
 issue 12 asks: zero errors; p99 of the last minute within 1.5x of the first; RSS growth after
 the first minute under 5% (with ``FLEETCACHE_MEMORY_CACHE_MB=16`` so that a filling memory
 tier is not taken for a leak).
@@ -30,6 +32,7 @@ import multiprocessing
 import os
 import platform
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -151,6 +154,7 @@ def main() -> None:
         "demo_drivers": str(args.demo_drivers),
         "memory_cache_mb": str(args.memory_cache_mb),
     }
+    shutil.rmtree(out / "data", ignore_errors=True)  # a fresh cache: the "new" texts are new
     server = Server(args.workers, out / "data", settings, out / "server.log", cpus="")
     try:
         server.wait_ready()
@@ -169,13 +173,14 @@ def main() -> None:
             for c in range(args.clients)
         ]
         pending = pool.map_async(run_client, jobs)
-        rss: list[tuple[float, float, float]] = []
+        rss: list[tuple[float, float, float, float]] = []
         processes: list[tuple[float, dict[str, tuple[float, float]]]] = []
         while not pending.ready():
             sample = tree_memory(server.process.pid)
             processes.append((time.time() - start_at, sample))
             total = [sum(m[i] for m in sample.values()) for i in (0, 1)]
-            rss.append((time.time() - start_at, total[0], total[1]))
+            tier = server.stats()["cache"]["tiers"]["memory"]["bytes"] / 2**20  # every worker's
+            rss.append((time.time() - start_at, total[0], total[1], tier))
             pending.wait(10)
         pending.get()
         pool.close()
@@ -195,13 +200,13 @@ def main() -> None:
     )
     print(
         f"{'minute':>6} {'requests':>9} {'errors':>7} {'p50 ms':>8} {'p99 ms':>8} {'RSS MB':>8} "
-        f"{'anon MB':>8}"
+        f"{'anon MB':>8} {'tiers MB':>8}"
     )
     rows = []
     for m in range(minutes):
         inside = [r for r in results if m * 60 <= r[0] < (m + 1) * 60]
         latencies = [r[3] for r in inside]
-        memory = [(mb, anon) for t, mb, anon in rss if m * 60 <= t < (m + 1) * 60]
+        memory = [(mb, anon, tier) for t, mb, anon, tier in rss if m * 60 <= t < (m + 1) * 60]
         row = {
             "minute": m + 1,
             "requests": len(inside),
@@ -210,11 +215,13 @@ def main() -> None:
             "p99_ms": p99(latencies),
             "rss_mb": memory[-1][0] if memory else float("nan"),
             "anon_mb": memory[-1][1] if memory else float("nan"),
+            "tiers_mb": memory[-1][2] if memory else float("nan"),
         }
         rows.append(row)
         print(
             f"{row['minute']:>6} {row['requests']:>9} {row['errors']:>7} {row['p50_ms']:>8.2f} "
-            f"{row['p99_ms']:>8.2f} {row['rss_mb']:>8.1f} {row['anon_mb']:>8.1f}"
+            f"{row['p99_ms']:>8.2f} {row['rss_mb']:>8.1f} {row['anon_mb']:>8.1f} "
+            f"{row['tiers_mb']:>8.1f}"
         )
     errors = sum(r["errors"] for r in rows)
     ratio = rows[-1]["p99_ms"] / rows[0]["p99_ms"]
@@ -226,6 +233,13 @@ def main() -> None:
         f"errors {errors} (want 0); p99 last/first minute {ratio:.2f} (want <= 1.5); "
         f"RSS growth after minute 1 {100 * growth:+.2f}% (want < 5%; anonymous "
         f"{100 * anon:+.2f}%)"
+    )
+    grown = rows[-1]["anon_mb"] - rows[0]["anon_mb"]
+    filled = rows[-1]["tiers_mb"] - rows[0]["tiers_mb"]
+    print(
+        f"anonymous memory after minute 1 {grown:+.1f} MB, of which the memory tiers' entries "
+        f"{filled:+.1f} MB (cap {args.memory_cache_mb:g} MB a worker; their bytes of entries, "
+        f"not the allocator's overhead)"
     )
     print(
         f"server counted: hits {stats['cache']['hits']}, misses {stats['cache']['misses']}, "
