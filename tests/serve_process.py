@@ -3,7 +3,7 @@
 ``FleetcacheServer(tmp_path, workers=2, **settings).start()`` runs the CLI on a free loopback
 port with the fake engine and waits for ``/readyz``; ``stop()`` sends SIGTERM (as an operator
 would) and waits for the whole tree to exit. ``pids()`` reads ``/v1/stats`` ``processes``;
-``descendants(pid)`` finds a whole tree, to kill it at once with SIGKILL (a crash).
+``descendants(pid)`` finds a whole tree; ``crash(pid)`` kills it all at once (a power cut).
 """
 
 from __future__ import annotations
@@ -105,6 +105,17 @@ def alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def crash(pid: int) -> None:
+    """The tree of ``pid`` dies at once: every process is stopped (SIGSTOP) before any is
+    killed, so none sees another die and reacts (a child gets SIGTERM when its parent dies,
+    and an index owner given SIGTERM saves its snapshot on the way out)."""
+    tree = [pid, *descendants(pid)]
+    for signum in (signal.SIGSTOP, signal.SIGKILL):
+        for member in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(member, signum)
 
 
 def descendants(pid: int) -> list[int]:

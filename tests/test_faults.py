@@ -14,9 +14,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -32,7 +29,7 @@ import pytest
 from features.readers import write_records
 from features.synthetic import generate_fleet
 from tests.redis_server import RedisServer
-from tests.serve_process import FleetcacheServer, descendants
+from tests.serve_process import FleetcacheServer, crash
 
 
 class Load:
@@ -203,9 +200,7 @@ def test_warmup_through_a_server_killed_with_9_loses_no_row(tmp_path: Path) -> N
             time.sleep(0.05)
         assert indexed < rows, "the warm-up ended before the crash"
         assert server.process is not None
-        for pid in [server.process.pid, *descendants(server.process.pid)]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        crash(server.process.pid)
         server.process.wait(10)
         server.process = None
         time.sleep(1.0)  # the client meets a dead port for a while

@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -44,7 +43,7 @@ from indexes.errors import ChangeLogError
 from proxy.board import Board
 from proxy.index_host import LOG_DIR, IndexHost, open_index_host
 from tests.conftest import make_settings
-from tests.serve_process import FleetcacheServer, descendants
+from tests.serve_process import FleetcacheServer, crash
 from tests.test_index import DIM, SHANGHAI, driver, gaussian_unit, order
 
 State = tuple[dict[str, tuple[Any, bytes]], list[Recommendation]]
@@ -354,10 +353,7 @@ def test_every_acknowledged_change_survives_a_kill_9_of_the_whole_server(tmp_pat
     finally:
         # a crash: the whole tree at once, no SIGTERM, no snapshot on the way out
         assert server.process is not None
-        tree = [server.process.pid, *descendants(server.process.pid)]
-        for pid in tree:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        crash(server.process.pid)
         server.process.wait(10)
         server.process = None
     assert not list((tmp_path / "data" / "index").glob("snapshot-*")), "it saved a snapshot"

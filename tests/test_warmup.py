@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -29,7 +27,7 @@ from proxy.cli import app as cli
 from proxy.jobs import ProcessJobs
 from proxy.warmup import RemoteSink, WarmupProgress, run_warmup
 from tests.conftest import make_settings, open_client, wait_ready
-from tests.serve_process import descendants
+from tests.serve_process import crash
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -135,9 +133,7 @@ def test_resume_after_kill_embeds_nothing_twice(env: Path, tmp_path: Path) -> No
     assert first.poll() is None, "the first run ended before it could be killed"
     # The run and the engine and index processes it started, all at once: a crash, with no
     # graceful drain anywhere (left alone, the engine would go on writing for a moment).
-    for pid in [first.pid, *descendants(first.pid)]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    crash(first.pid)
     first.wait()
     done_before = json.loads(checkpoint.read_text())["rows"]
     assert 0 < done_before < 12_000
