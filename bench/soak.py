@@ -103,10 +103,19 @@ def run_client(args: tuple[str, int, float, float, float, list[Any], str]) -> No
     Path(out).write_text(json.dumps(results))
 
 
-def tree_memory(root: int) -> dict[str, tuple[float, float]]:
+def roles(stats: dict[str, Any]) -> dict[int, str]:
+    """pid -> its role, from ``/v1/stats`` ``processes`` (spawned children share a cmdline)."""
+    processes = stats["processes"]
+    named = {w["pid"]: f"worker {i}" for i, w in enumerate(processes["workers"])}
+    named |= {e["pid"]: f"engine {k}" for k, e in enumerate(processes["engines"])}
+    return named | {processes["index"]["pid"]: "index owner"}
+
+
+def tree_memory(root: int, named: dict[int, str]) -> dict[str, tuple[float, float]]:
     """Resident memory of ``root`` and every descendant (from /proc), in MB, by process
-    (``pid name``): all of it, and its anonymous part (``RssAnon``: heaps; the rest is mapped
-    files, such as the LMDB file that every process maps and that grows as the cache fills)."""
+    (``pid role``, else ``pid name``): all of it, and its anonymous part (``RssAnon``: heaps;
+    the rest is mapped files, such as the LMDB file that every process maps and that grows as
+    the cache fills)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -123,7 +132,10 @@ def tree_memory(root: int) -> dict[str, tuple[float, float]]:
             fields = dict(
                 line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
             )
-            name = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[-2].decode()[-24:]
+            name = (
+                named.get(pid)
+                or Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[-2].decode()[-24:]
+            )
         except (OSError, IndexError, ValueError):
             continue
         kb = [int(fields.get(key, "0 kB").split()[0]) for key in ("VmRSS", "RssAnon")]
@@ -176,10 +188,11 @@ def main() -> None:
         rss: list[tuple[float, float, float, float]] = []
         processes: list[tuple[float, dict[str, tuple[float, float]]]] = []
         while not pending.ready():
-            sample = tree_memory(server.process.pid)
+            stats = server.stats()
+            sample = tree_memory(server.process.pid, roles(stats))
             processes.append((time.time() - start_at, sample))
             total = [sum(m[i] for m in sample.values()) for i in (0, 1)]
-            tier = server.stats()["cache"]["tiers"]["memory"]["bytes"] / 2**20  # every worker's
+            tier = stats["cache"]["tiers"]["memory"]["bytes"] / 2**20  # every worker's
             rss.append((time.time() - start_at, total[0], total[1], tier))
             pending.wait(10)
         pending.get()
