@@ -115,7 +115,7 @@ def make_live(root: Path, target: Path) -> None:
     fsync_path(target)
     fsync_path(root)  # the new directory's entry is durable before CURRENT names it
     pointer = root / f"{CURRENT}.tmp"
-    _write_durably(pointer, (target.name + "\n").encode())
+    write_durably(pointer, (target.name + "\n").encode())
     os.replace(pointer, root / CURRENT)
     fsync_path(root)
 
@@ -159,9 +159,9 @@ def _write_files(target: Path, snap: Snapshot) -> None:
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     cols = {**snap.columns.arrays(), "offsets": offsets}
     _write_with(target / COLUMNS_FILE, lambda fh: np.savez(fh, allow_pickle=False, **cols))
-    _write_durably(target / RECORDS_FILE, b"".join(snap.records))
+    write_durably(target / RECORDS_FILE, *snap.records)
     ids = {"driver_ids": snap.driver_ids, "vehicle_ids": snap.vehicle_ids}
-    _write_durably(target / IDS_FILE, json.dumps(ids).encode())
+    write_durably(target / IDS_FILE, json.dumps(ids).encode())
     meta = {
         "format": FORMAT,
         "dim": snap.dim,
@@ -171,7 +171,7 @@ def _write_files(target: Path, snap: Snapshot) -> None:
         "constraints": list(snap.constraints),
         "seq": snap.seq,
     }
-    _write_durably(target / META_FILE, json.dumps(meta).encode())
+    write_durably(target / META_FILE, json.dumps(meta).encode())
 
 
 def _read_v2(path: Path, meta: dict[str, Any]) -> Snapshot:
@@ -335,8 +335,9 @@ def _remove_snapshots(root: Path, keep: str | None) -> None:
         (root / f"{CURRENT}.tmp").unlink()
 
 
-def _write_durably(path: Path, data: bytes) -> None:
-    _write_with(path, lambda fh: fh.write(data))
+def write_durably(path: Path, *pieces: bytes) -> None:
+    """Create ``path`` holding ``pieces`` one after another, fsynced before it returns."""
+    _write_with(path, lambda fh: fh.writelines(pieces))
 
 
 def _write_with(path: Path, write: Callable[[IO[bytes]], object]) -> None:

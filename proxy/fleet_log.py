@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import uuid
 from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass
@@ -190,7 +189,7 @@ class FleetLog:
                 pieces.append(piece)
             if sum(map(len, pieces)) != size:
                 raise FleetLogError(f"the published snapshot's {name} is not {size} bytes")
-            await asyncio.to_thread(_write_file, target / name, pieces)
+            await asyncio.to_thread(snapshot.write_durably, target / name, *pieces)
         await asyncio.to_thread(snapshot.make_live, root, target)
         return target
 
@@ -231,14 +230,6 @@ def _entries(answer: Any, after: int) -> Iterator[Entry]:
             change = msgspec.structs.replace(changes.decode(payloads[0]), seq=seq)
             yield Entry(change, fields.get(b"by", b"").decode())
             expected += 1
-
-
-def _write_file(path: Path, pieces: list[bytes]) -> None:
-    with path.open("wb") as fh:
-        for piece in pieces:
-            fh.write(piece)
-        fh.flush()
-        os.fsync(fh.fileno())
 
 
 def _files(directory: Path) -> list[Path]:

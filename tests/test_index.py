@@ -709,13 +709,14 @@ def test_a_crash_during_save_leaves_the_previous_snapshot(
     table.upsert_drivers([driver(1000, status="available")], q[None, :])
     table.delete_driver("D001")
 
-    real_write = snapshot_module._write_durably
+    real_write = snapshot_module.write_durably
 
-    def crashing_write(path: Path, data: bytes) -> None:
+    def crashing_write(path: Path, *pieces: bytes) -> None:
         if fail_at in path.name.lower():
+            data = b"".join(pieces)
             path.write_bytes(data[: len(data) // 2])  # a torn write, then the crash
             raise OSError("disk on fire")
-        real_write(path, data)
+        real_write(path, *pieces)
 
     def crashing_replace(*args: Any) -> None:
         raise OSError("power cut")
@@ -725,7 +726,7 @@ def test_a_crash_during_save_leaves_the_previous_snapshot(
         monkeypatch.setattr(os, "replace", crashing_replace)
     else:
         fail_at = names[fail_at]
-        monkeypatch.setattr(snapshot_module, "_write_durably", crashing_write)
+        monkeypatch.setattr(snapshot_module, "write_durably", crashing_write)
     with pytest.raises(OSError):
         table.save(tmp_path)
     monkeypatch.undo()
