@@ -478,43 +478,53 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
     )
     if batcher:
         print(f"batcher alone (no HTTP, no IPC): {batcher:,.0f} texts/s")
-    print(
-        "\n| layout | ready s | hits req/s | hit texts/s | hit p50 / p99 ms (worst) | "
-        "probe p99 idle -> under hits ms | health port p99 idle -> under hits ms | "
-        "miss texts/s | miss p50 / p99 ms | misses / batcher | items == misses | "
-        "per-worker requests | items per engine |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    columns = ["layout", "ready s", "hits req/s", "hit texts/s", "hit p50 / p99 ms (worst)"]
+    columns += ["probe p99 idle -> under hits ms", "health port p99 idle -> under hits ms"]
+    columns += ["miss texts/s", "miss p50 / p99 ms", "misses / batcher", "items == misses"]
+    columns += ["per-worker requests", "items per engine"]
+    table = []
     for r in rows:
         hits, probe, misses = r["hits"], r["probe"], r["misses"]
         ratio = f"{misses['req_s'] * 32 / batcher:.2f}" if batcher else "-"
         health = "-"
         if r["idle_health_p99"] and r["health"]["p99_ms"]:
-            idle, busy = r["idle_health_p99"], r["health"]["p99_ms"]
-            health = f"{idle:.2f} -> {busy:.2f} ({busy / max(idle, 1e-6):.1f}x)"
-        print(
-            f"| {r['layout']} | {r['ready_s']:.1f} | {hits['req_s']:,.0f} | "
-            f"{hits['req_s'] * 32:,.0f} | {hits['p50_ms']:.1f} / {hits['p99_ms']:.1f} "
-            f"({hits['worst_p99_ms']:.1f}) | {r['idle_probe_p99']:.2f} -> {probe['p99_ms']:.2f} "
-            f"({probe['p99_ms'] / max(r['idle_probe_p99'], 1e-6):.1f}x) | {health} | "
-            f"{misses['req_s'] * 32:,.0f} | {misses['p50_ms']:.1f} / {misses['p99_ms']:.1f} | "
-            f"{ratio} | {r['items_equal_misses']} | {r['per_worker_requests']} | "
-            f"{r['device_items']} |"
+            health = idle_to_busy(r["idle_health_p99"], r["health"]["p99_ms"])
+        table.append(
+            [
+                r["layout"],
+                f"{r['ready_s']:.1f}",
+                f"{hits['req_s']:,.0f}",
+                f"{hits['req_s'] * 32:,.0f}",
+                f"{hits['p50_ms']:.1f} / {hits['p99_ms']:.1f} ({hits['worst_p99_ms']:.1f})",
+                idle_to_busy(r["idle_probe_p99"], probe["p99_ms"]),
+                health,
+                f"{misses['req_s'] * 32:,.0f}",
+                f"{misses['p50_ms']:.1f} / {misses['p99_ms']:.1f}",
+                ratio,
+                str(r["items_equal_misses"]),
+                str(r["per_worker_requests"]),
+                str(r["device_items"]),
+            ]
         )
+    print()
+    print_table(columns, table)
     twins = [r for r in rows if r["twins"]]
     if twins:
-        print(
-            "\n| layout | twin texts/s | p50 / p99 ms | engine items per text | "
-            "coalesced per text |"
+        print()
+        columns = ["layout", "twin texts/s", "p50 / p99 ms", "engine items per text"]
+        print_table(
+            [*columns, "coalesced per text"],
+            [
+                [
+                    r["layout"],
+                    f"{r['twins']['req_s'] * 32:,.0f}",
+                    f"{r['twins']['p50_ms']:.1f} / {r['twins']['p99_ms']:.1f}",
+                    f"{r['twins']['items_per_lookup']:.3f}",
+                    f"{r['twins']['coalesced_per_lookup']:.3f}",
+                ]
+                for r in twins
+            ],
         )
-        print("|---|---|---|---|---|")
-        for r in twins:
-            t = r["twins"]
-            print(
-                f"| {r['layout']} | {t['req_s'] * 32:,.0f} | "
-                f"{t['p50_ms']:.1f} / {t['p99_ms']:.1f} | {t['items_per_lookup']:.3f} | "
-                f"{t['coalesced_per_lookup']:.3f} |"
-            )
     for r in rows:
         k = r["killed"]
         if k:
@@ -529,21 +539,30 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
     print(f"\nwrk errors (connect/read/write/timeout/non-2xx): {errors}")
     warm = [r for r in rows if "warmup" in r]
     if warm:
-        print(
-            "\n| layout | warm-up records | features/s alone | tokenizer alone texts/s | "
-            "ratio | features/s beside lookups | cached lookup p99 alone -> during ms |"
-        )
-        print("|---|---|---|---|---|---|---|")
+        columns = ["layout", "warm-up records", "features/s alone", "tokenizer alone texts/s"]
+        columns += ["ratio", "features/s beside lookups", "cached lookup p99 alone -> during ms"]
+        table = []
         for r in warm:
             w = r["warmup"]
-            print(
-                f"| {r['layout']} | {w['records']:,} | {w['features_per_s']:,.0f} | "
-                f"{w['tokenizer_texts_per_s']:,.0f} | "
-                f"{w['features_per_s'] / w['tokenizer_texts_per_s']:.2f} | "
-                f"{w['beside_features_per_s']:,.0f} | "
-                f"{w['lookup_p99_alone_ms']:.1f} -> {w['lookup_p99_during_ms']:.1f} "
-                f"({w['lookup_p99_during_ms'] / max(w['lookup_p99_alone_ms'], 1e-6):.2f}x) |"
+            alone, during = w["lookup_p99_alone_ms"], w["lookup_p99_during_ms"]
+            table.append(
+                [
+                    r["layout"],
+                    f"{w['records']:,}",
+                    f"{w['features_per_s']:,.0f}",
+                    f"{w['tokenizer_texts_per_s']:,.0f}",
+                    f"{w['features_per_s'] / w['tokenizer_texts_per_s']:.2f}",
+                    f"{w['beside_features_per_s']:,.0f}",
+                    f"{alone:.1f} -> {during:.1f} ({during / max(alone, 1e-6):.2f}x)",
+                ]
             )
+        print()
+        print_table(columns, table)
+
+
+def idle_to_busy(idle: float, busy: float) -> str:
+    """A probe's p99 idle and under load, and their ratio, as a table cell."""
+    return f"{idle:.2f} -> {busy:.2f} ({busy / max(idle, 1e-6):.1f}x)"
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from datetime import UTC
 
+from bench.serve_bench import print_table
 from engines.tokenization import FastTokenizer
 from engines.torch_engine import default_model_path
 from features.models import Order
@@ -90,14 +91,14 @@ def main() -> None:
         f"{len(texts):,} fleet texts, batches of {args.batch}, {args.runs} runs; "
         "ids equal to encode_batch's: yes"
     )
-    print("\n| variant | texts/s median | worst run | x encode_batch one core |")
-    print("|---|---|---|---|")
-    base = 0.0
+    table, base = [], 0.0
     for name, make in variants:
         rates = [rate(make(), texts, args.batch) for _ in range(args.runs)]
         median = statistics.median(rates)
         base = base or median
-        print(f"| {name} | {median:,.0f} | {min(rates):,.0f} | {median / base:.2f}x |")
+        table.append([name, f"{median:,.0f}", f"{min(rates):,.0f}", f"{median / base:.2f}x"])
+    print()
+    print_table(["variant", "texts/s median", "worst run", "x encode_batch one core"], table)
 
 
 if __name__ == "__main__":
