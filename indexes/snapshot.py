@@ -159,7 +159,7 @@ def _write_files(target: Path, snap: Snapshot) -> None:
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     cols = {**snap.columns.arrays(), "offsets": offsets}
     _write_with(target / COLUMNS_FILE, lambda fh: np.savez(fh, allow_pickle=False, **cols))
-    write_durably(target / RECORDS_FILE, *snap.records)
+    write_durably(target / RECORDS_FILE, b"".join(snap.records))
     ids = {"driver_ids": snap.driver_ids, "vehicle_ids": snap.vehicle_ids}
     write_durably(target / IDS_FILE, json.dumps(ids).encode())
     meta = {
