@@ -1,8 +1,8 @@
 """Tokenization of fleet texts: the word cache (``FastTokenizer.ids``, what a worker runs on its
 misses) against the model's tokenizer (``encode_batch``) on one core and on every core.
 
-Texts: driver, vehicle and order texts of a synthetic fleet in every city (accented and CJK
-place names included), new to the word cache at the start of each run (a fresh
+Texts: ``features.synthetic.fleet_texts`` (driver, vehicle and order texts, every city,
+accented and CJK place names included), new to the word cache at the start of each run (a fresh
 ``FastTokenizer``: the first texts pay for filling it). Each run tokenizes all of them in
 batches of ``--batch``; the table shows texts/s (median and worst of the runs) and the ratio
 to ``encode_batch`` on one core, and checks that every id equals ``encode_batch``'s.
@@ -26,29 +26,7 @@ from datetime import UTC
 from bench.serve_bench import print_table
 from engines.tokenization import FastTokenizer
 from engines.torch_engine import default_model_path
-from features.models import Order
-from features.synthetic import CITIES, iter_fleet
-from features.text import driver_text, order_text, vehicle_text
-
-
-def fleet_texts(drivers: int) -> list[str]:
-    fleet = list(iter_fleet(drivers, seed=5, cities=list(CITIES)))
-    orders = [
-        Order.model_validate(
-            {
-                "order_id": f"o{i}",
-                "pickup": {"lat": d.position.lat, "lng": d.position.lng},
-                "cargo": {"weight_kg": 10.0 * (i % 300)},
-                "requirements": f"fragile load, gate {i % 7}",
-            }
-        )
-        for i, d in enumerate(fleet[: drivers // 10])
-    ]
-    return (
-        [driver_text(d) for d in fleet]
-        + [vehicle_text(d.vehicle) for d in fleet[: drivers // 10]]
-        + [order_text(o) for o in orders]
-    )
+from features.synthetic import fleet_texts
 
 
 def rate(run: Callable[[list[str]], object], texts: list[str], batch: int) -> float:
@@ -64,7 +42,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="texts per call (a request)")
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
-    texts = fleet_texts(args.drivers)
+    texts = fleet_texts(args.drivers, seed=5)
     path, cores = default_model_path(), os.cpu_count() or 1
 
     def word_cache() -> Callable[[list[str]], object]:

@@ -13,8 +13,8 @@ word alone: the ids of a text are the ids of its space-separated chunks, joined,
 and [SEP]. Feature texts reuse a small vocabulary (a few hundred words in a fleet), so
 ``FastTokenizer`` keeps the ids of each chunk (of each ASCII word: ``_WORD`` is BERT's split of
 lowercased ASCII) and joins them: 4.5x the single-core rate of ``encode_batch`` on fleet texts
-in requests of 32 (``bench/tokenize_bench.py`` on the 2-core box: 95,800 against 21,082 texts/s;
-``encode_batch`` on both cores 37,319).
+in requests of 32 (``bench/tokenize_bench.py`` on the 2-core box: 114,389 against 25,101
+texts/s; ``encode_batch`` on both cores 39,313).
 Texts with any other whitespace, a control character or an added token ("[MASK]") go to
 ``encode_batch``. tests/test_tokenization.py proves the ids equal on real fleets and on random
 Unicode strings.

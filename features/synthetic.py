@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from features.models import DriverRecord
+from features.models import DriverRecord, Order
+from features.text import driver_text, order_text, vehicle_text
 
 _BLOCK = 4096
 _SIGMA_KM = 7.0
@@ -301,3 +302,26 @@ def generate_fleet(
     finally:
         if was_enabled:
             gc.enable()
+
+
+def fleet_texts(n: int, seed: int = 0) -> list[str]:
+    """The texts the cache embeds for a fleet of ``n`` drivers in every city (accented and CJK
+    place names included): each driver's and each vehicle's, and an order at each of the first
+    ``n // 10`` drivers' positions (cargo, the driver's certifications as constraints, free
+    text naming the driver)."""
+    drivers = generate_fleet(n, seed, list(CITIES))
+    orders = [
+        Order.model_validate(
+            {
+                "order_id": f"o{i}",
+                "pickup": {"lat": d.position.lat, "lng": d.position.lng},
+                "pickup_time": datetime(2026, 12, 1, 8, tzinfo=UTC),
+                "cargo": {"weight_kg": 10.0 * (i % 300), "volume_m3": 0.1 * (i % 300)},
+                "constraints": d.profile.certifications,
+                "requirements": f"fragile load for {d.driver_id}, ring at gate {i % 7}",
+            }
+        )
+        for i, d in enumerate(drivers[: n // 10])
+    ]
+    vehicles = [vehicle_text(d.vehicle) for d in drivers]
+    return [driver_text(d) for d in drivers] + vehicles + [order_text(o) for o in orders]

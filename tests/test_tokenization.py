@@ -4,8 +4,6 @@ process (``Tokenized``) are padded in another exactly as if tokenized there."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-
 import numpy as np
 import pytest
 import zmq
@@ -18,9 +16,7 @@ from engines.fake import FakeEngine
 from engines.fallback import FallbackEngine
 from engines.tokenization import FastTokenizer, Tokenized
 from engines.torch_engine import default_model_path
-from features.models import Order
-from features.synthetic import CITIES, iter_fleet
-from features.text import driver_text, order_text, vehicle_text
+from features.synthetic import fleet_texts
 from proxy.engine_host import RemoteEngine, tokenized
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -36,28 +32,12 @@ def reference(tokenizer: FastTokenizer, texts: list[str]) -> list[list[int]]:
     return [e.ids for e in tokenizer._tokenizer.encode_batch(texts)]
 
 
-def fleet_texts() -> list[str]:
-    """Driver, vehicle and order texts of a fleet in every city (accented and CJK names)."""
-    drivers = list(iter_fleet(3000, seed=11, cities=list(CITIES)))
-    orders = [
-        Order.model_validate(
-            {
-                "order_id": f"o{i}",
-                "pickup": {"lat": d.position.lat, "lng": d.position.lng},
-                "pickup_time": datetime(2026, 12, 1, 8, tzinfo=UTC),
-                "cargo": {"weight_kg": 10.0 * i, "volume_m3": 0.1 * i},
-                "constraints": d.profile.certifications,
-                "requirements": f"fragile load for {d.driver_id}, ring at gate {i % 7}",
-            }
-        )
-        for i, d in enumerate(drivers[:300])
-    ]
-    vehicles = [vehicle_text(d.vehicle) for d in drivers]
-    return [driver_text(d) for d in drivers] + vehicles + [order_text(o) for o in orders]
+def real_fleet() -> list[str]:
+    return fleet_texts(3000, seed=11)
 
 
 def test_word_cache_equals_the_tokenizer_on_real_fleets(fast: FastTokenizer) -> None:
-    texts = fleet_texts()
+    texts = real_fleet()
     assert any(not t.isascii() for t in texts)  # the non-ASCII city names are in
     assert all(fast._cached(t) for t in texts)  # ...and still take the cached path
     assert [list(ids) for ids in fast.ids(texts)] == reference(fast, texts)
@@ -111,7 +91,7 @@ def test_the_cache_stays_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_ids_from_another_process_pad_like_the_texts(fast: FastTokenizer) -> None:
-    texts = [*fleet_texts()[:100], "tab\there"]
+    texts = [*real_fleet()[:100], "tab\there"]
     wire = [np.asarray(ids, dtype=np.int32) for ids in fast.ids(texts)]  # as a worker sends
     tokenized = [Tokenized(t, ids) for t, ids in zip(texts, wire, strict=True)]
     assert tokenized == texts and {tokenized[0]: 1}[texts[0]] == 1  # equal, hashed alike
@@ -157,7 +137,7 @@ def on_the_wire(
 
 
 def test_a_worker_sends_ids_the_engine_process_takes_as_they_are(fast: FastTokenizer) -> None:
-    texts = [*fleet_texts()[:40], "tab\there", "", "[MASK] me"]
+    texts = [*real_fleet()[:40], "tab\there", "", "[MASK] me"]
     remote = RemoteEngine(Client(fast), FakeEngine().info)  # type: ignore[arg-type]
     message, frames = on_the_wire(remote, texts)
     got = tokenized(message, frames, fast)
@@ -166,7 +146,7 @@ def test_a_worker_sends_ids_the_engine_process_takes_as_they_are(fast: FastToken
 
 
 def test_no_ids_for_an_engine_without_the_same_tokenizer(fast: FastTokenizer) -> None:
-    texts = fleet_texts()[:5]
+    texts = real_fleet()[:5]
     remote = RemoteEngine(Client(None), FakeEngine().info)  # type: ignore[arg-type]
     assert remote._token_ids(texts) == ({}, ())  # an engine that tokenizes itself (fake)
     message, frames = on_the_wire(RemoteEngine(Client(fast), FakeEngine().info), texts)  # type: ignore[arg-type]
