@@ -11,18 +11,27 @@ Threading model::
       full batch; take up to max_batch_size items,
       dispatch lane before warmup lane, dropping
       requests whose future is already done or
-      whose deadline passed                  ------->  tokenize, then forward in groups
+      whose deadline passed                  ------->  take the slices still wanted,
+                                                       tokenize, then forward in groups
                                                        within max_batch_tokens
       await the result                       <-------  (n, dim) float32 or an exception
       copy each request's rows, resolve futures
 
     tokenizer thread (exactly one): while a batch is in the engine and the queue already
     fills the next batch, the worker takes that batch at once (dispatch items first, as
-    always) and tokenizes it here, so tokenization overlaps the forward instead of following
-    it. Only full batches are formed early, so max_delay behaves as without the overlap. The
-    cost to dispatch: an item that arrives after a warm-up batch was formed early waits for
-    at most one more forward (that batch's) before it runs. A request cancelled meanwhile is
-    dropped (the rest is re-tokenized).
+    always), tokenizes it here and hands it to the engine thread, where it waits behind the
+    batch running: the engine thread goes from one forward to the next without waiting for
+    a turn of the event loop (on the H200, under 8 workers' load, those turns left the GPU
+    idle between batches while full batches queued). At most one batch waits there. Only
+    full batches are formed early, so max_delay behaves as without the overlap. The cost to
+    dispatch: an item that arrives after a warm-up batch was formed early waits for at most
+    one more forward (that batch's) before it runs.
+
+    The engine thread takes a batch's slices when it starts on it, under a lock that the
+    deadline timer takes too: a request that went away or expired before that moment is not
+    computed (the rest is re-tokenized; a request is either failed at its deadline or
+    computed, never both), and ``items``, the queue wait and ``on_sent`` count what it
+    took, on the event loop, before the batch's result arrives there.
 
 Every future is resolved on every path: with its rows; with the batch's ``EngineError`` (only
 the requests in that batch; the worker keeps serving; when the engine says the batch failed by
@@ -49,6 +58,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -90,7 +100,7 @@ class InferenceStats:
     last_error: str | None
     failed_batches: int
     expired_items: int  # dropped because their deadline passed before the engine saw them
-    queue_wait_p50_ms: float  # submit -> batch handed to the engine, last ``window`` slices
+    queue_wait_p50_ms: float  # submit -> the engine starts on it, last ``window`` slices
     queue_wait_p99_ms: float
     ok_items: int  # texts of successful batches
     engine_ms: float  # engine time of successful batches (per_item_ms = engine_ms / ok_items)
@@ -146,7 +156,7 @@ class _Request:
         self.submitted = time.monotonic()
         self.rows: Vectors = np.empty((len(texts), dim), dtype=np.float32)
         self.taken = 0  # items handed to a batch or dropped; the rest are still queued
-        self.sent = 0  # items handed to the engine thread
+        self.sent = 0  # items the engine thread took (under Batcher._claim)
         self.filled = 0  # rows written back
 
     @property
@@ -164,8 +174,8 @@ class Batcher:
     batcher.submit(texts)``. The engine must already be loaded and warmed; the batcher only
     runs it. ``max_batch_tokens`` (None: no budget) bounds each forward's size x padded
     sequence length. Observers, called on the event loop: ``on_queue_wait(lane, seconds)`` for
-    every request slice handed to the engine; ``on_sent(tag, count)`` with the submission's
-    ``tag`` as its texts are handed to the engine thread (where ``items`` counts them);
+    every request slice the engine starts on; ``on_sent(tag, count)`` with the submission's
+    ``tag`` as the engine thread starts on its texts (where ``items`` counts them);
     ``on_batch_done()`` after every batch, failed or not (``stats()`` changed).
     """
 
@@ -199,7 +209,11 @@ class Batcher:
         self._lane_waiting = dict.fromkeys(LANES, 0)  # the same, per lane
         self._wakeup = asyncio.Event()
         self._worker: asyncio.Task[None] | None = None
-        self._in_flight: list[_Request] = []  # requests with a slice in the running batch
+        self._in_flight: dict[int, list[_Request]] = {}  # batch -> requests, handed over
+        self._waiting_engine: dict[int, int] = {}  # batch -> its items, until the engine starts
+        self._handed = 0  # batches handed to the engine thread so far (their keys)
+        self._live: dict[int, list[_Slice]] = {}  # batch -> the slices the engine took
+        self._claim = threading.Lock()  # the engine thread taking slices | _expire
         self._prepared: list[_Request] = []  # requests in the batch tokenized ahead
         self._prepared_items = 0
         self._executor: ThreadPoolExecutor | None = None
@@ -283,8 +297,14 @@ class Batcher:
 
     @property
     def queued(self) -> int:
-        """Items not yet handed to the engine (queue depth), a batch tokenized ahead included."""
-        return self._queued + self._prepared_items
+        """Items the engine has not started on (queue depth): queued, tokenized ahead, or
+        handed to the engine thread behind the batch it is running."""
+        return self._queued + self._prepared_items + self.waiting_engine
+
+    @property
+    def waiting_engine(self) -> int:
+        """Items handed to the engine thread that it has not started on yet."""
+        return sum(list(self._waiting_engine.values()))  # a copy: the engine thread pops
 
     @property
     def per_item_ms(self) -> float:
@@ -386,32 +406,30 @@ class Batcher:
     # -- the worker (event loop) -----------------------------------------------------------
 
     async def _run(self) -> None:
-        forward: asyncio.Task[None] | None = None  # the batch in the engine, if any
+        handed: list[asyncio.Task[None]] = []  # batches handed to the engine thread, oldest first
         try:
             while not self._closed:
-                if forward is not None and forward.done():
-                    forward = None
-                if forward is None and self._queued:
+                handed = [task for task in handed if not task.done()]
+                if not handed and self._queued:
                     await self._wait_for_more()
-                    batch = self._take()
-                    if batch:
-                        forward = asyncio.create_task(self._run_batch(batch))
-                elif forward is not None and self._queued >= self.max_batch_size:
-                    forward = await self._tokenize_ahead(forward)
-                else:  # idle, or the engine is busy and the next batch is not full yet
-                    await self._wait_for_wakeup(forward)
+                    if batch := self._take():
+                        handed += self._hand_off(batch)
+                elif len(handed) == 1 and self._queued >= self.max_batch_size:
+                    handed += await self._tokenize_ahead()
+                else:  # idle, or the engine has its next batch, or the next is not full yet
+                    await self._wait_for_wakeup(handed[0] if handed else None)
         except Exception:  # a bug here must not leave waiters hanging: fail them below
             logger.exception("batcher worker crashed")
         finally:  # closed, crashed or cancelled: nobody is left waiting
             error = EngineError("batcher closed" if self._closed else "batcher stopped")
             self._fail(self._prepared, error)
             self._fail_queued(error)
-            if forward is not None:
-                await asyncio.wait({forward})  # the batch in flight finishes normally
-            self._fail(self._in_flight, error)
+            if handed:
+                await asyncio.wait(handed)  # the batches handed over finish normally
+            self._fail([r for requests in self._in_flight.values() for r in requests], error)
 
     async def _wait_for_wakeup(self, forward: asyncio.Task[None] | None) -> None:
-        """Until a submission (or close) arrives, or the batch in flight finishes."""
+        """Until a submission (or close) arrives, or the oldest batch handed over finishes."""
         self._wakeup.clear()
         if self._queued and forward is None:
             return
@@ -423,9 +441,10 @@ class Batcher:
         finally:
             wakeup.cancel()
 
-    async def _tokenize_ahead(self, forward: asyncio.Task[None]) -> asyncio.Task[None] | None:
-        """Take the next (full) batch, tokenize it while ``forward`` runs,
-        then start it as soon as ``forward`` is done. Returns the new batch's task."""
+    async def _tokenize_ahead(self) -> list[asyncio.Task[None]]:
+        """Take the next (full) batch, tokenize it while the engine runs the one before, and
+        hand it over at once: it waits on the engine thread, which goes on to it as soon as
+        that forward returns, without a turn of this event loop in between."""
         batch = self._take()
         self._prepared = [request for request, _, _ in batch]
         self._prepared_items = sum(stop - start for _, start, stop in batch)
@@ -437,12 +456,11 @@ class Batcher:
             )
         except Exception:  # the engine thread tokenizes again and reports any error
             tokens = None
-        await asyncio.wait({forward})
         self._prepared, self._prepared_items = [], 0
         if self._closed:
             self._fail([request for request, _, _ in batch], EngineError("batcher closed"))
-            return None
-        return asyncio.create_task(self._run_batch(batch, tokens))
+            return []
+        return self._hand_off(batch, tokens)
 
     async def _wait_for_more(self) -> None:
         """While the batch is not full, wait up to max_delay for more submissions."""
@@ -483,46 +501,97 @@ class Batcher:
     def _texts(batch: list[_Slice]) -> list[str]:
         return [text for request, start, stop in batch for text in request.texts[start:stop]]
 
-    async def _run_batch(self, batch: list[_Slice], tokens: Batch | None = None) -> None:
-        now = time.monotonic()
-        for request, _, _ in batch:
-            if request.deadline is not None and request.deadline <= now:
-                self._expire(request)  # its timer has not run yet: the engine must not see it
+    def _hand_off(
+        self, batch: list[_Slice], tokens: Batch | None = None
+    ) -> list[asyncio.Task[None]]:
+        """Hand ``batch`` to the engine thread (it waits there behind the batch running, if
+        any), less the requests already resolved; the task that resolves its requests."""
         live = [item for item in batch if not item[0].future.done()]
-        if len(live) < len(batch):  # a caller went away (or expired) after tokenize-ahead
+        if len(live) < len(batch):  # a caller went away (or expired) while it was tokenized
             batch, tokens = live, None
         if not batch:
-            return
-        texts = self._texts(batch)
-        self._in_flight = [request for request, _, _ in batch]
+            return []
+        key = self._handed = self._handed + 1
+        self._in_flight[key] = [request for request, _, _ in batch]
+        self._waiting_engine[key] = sum(stop - start for _, start, stop in batch)
         self._batches += 1
-        for request, start, stop in batch:
-            request.sent += stop - start
+        assert self._executor is not None
+        loop = asyncio.get_running_loop()
+        job = self._executor.submit(self._start, loop, key, batch, tokens)
+        return [asyncio.create_task(self._finish(key, asyncio.wrap_future(job)))]
+
+    def _start(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        key: int,
+        batch: list[_Slice],
+        tokens: Batch | None,
+    ) -> tuple[list[_Slice], Vectors, list[float]]:
+        """Runs on the engine thread: take the slices of ``batch`` whose request is still
+        waiting and within its deadline (under ``_claim``, which ``_expire`` takes too: a
+        request is either failed at its deadline or computed, never both), count them on
+        the event loop, and run them."""
+        with self._claim:
+            now = time.monotonic()
+            live = [
+                (request, start, stop)
+                for request, start, stop in batch
+                if not request.future.done()
+                and (request.deadline is None or request.deadline > now)
+            ]
+            for request, start, stop in live:
+                request.sent += stop - start
+        self._live[key] = live
+        self._waiting_engine.pop(key, None)  # one dict operation: atomic under the GIL
+        loop.call_soon_threadsafe(self._sent, live, now)  # before the result's callback
+        if len(live) < len(batch):  # expired or went away after hand-off: not computed
+            tokens = None
+        if not live:
+            return live, np.empty((0, self.engine.dim), dtype=np.float32), []
+        vectors, durations = self._embed(self._texts(live), tokens)
+        return live, vectors, durations
+
+    def _sent(self, live: list[_Slice], now: float) -> None:
+        """On the event loop: the slices the engine thread started on, counted."""
+        for request, start, stop in live:
             self._observe_wait(request.lane, now - request.submitted)
             if request.counted:
                 self._items += stop - start
                 self._notify(self.on_sent, request.tag, stop - start)
             else:
                 self._uncounted_items += stop - start
+
+    async def _finish(
+        self, key: int, job: asyncio.Future[tuple[list[_Slice], Vectors, list[float]]]
+    ) -> None:
+        """Resolve the requests of a batch handed over, with its rows or its error."""
         try:
-            vectors, durations = await self._forward(texts, tokens)
-        except BatchError as exc:
-            self._batch_failed(exc, len(texts), healthy=True)
-            if len(batch) == 1:
-                self._fail(self._in_flight, exc)
-            else:  # its requests alone: only those whose own texts fail get the error
-                for item in batch:
-                    await self._run_alone(item)
+            batch, vectors, durations = await job
         except Exception as exc:
-            error = as_engine_error(exc)
-            # An engine that declines (EngineUnavailableError) reports why, and when it is
-            # back, in its own health(); only a real failure marks the batcher unhealthy.
-            self._batch_failed(exc, len(texts), healthy=isinstance(exc, EngineUnavailableError))
-            self._fail(self._in_flight, error)
+            batch = self._live.get(key, [])  # what the engine thread took of it
+            size = sum(stop - start for _, start, stop in batch)
+            if isinstance(exc, BatchError) and len(batch) > 1:
+                self._batch_failed(exc, size, healthy=True)
+                for item in batch:  # alone: only those whose own texts fail get the error
+                    await self._run_alone(item)
+            else:
+                error = exc if isinstance(exc, BatchError) else as_engine_error(exc)
+                # An engine that declines (EngineUnavailableError) reports why, and when
+                # it is back, in its own health(); only a real failure marks the batcher
+                # unhealthy.
+                healthy = isinstance(exc, (BatchError, EngineUnavailableError))
+                self._batch_failed(exc, size, healthy=healthy)
+                self._fail([request for request, _, _ in batch], error)
         else:
-            self._batches += len(durations) - 1  # one per forward when the budget split it
-            self._done(batch, vectors, durations)
-        self._in_flight = []
+            if batch:
+                self._batches += len(durations) - 1  # one per forward when the budget split
+                self._done(batch, vectors, durations)
+            else:
+                self._batches -= 1  # nothing of it reached the engine
+        finally:
+            del self._in_flight[key]
+            self._waiting_engine.pop(key, None)
+            self._live.pop(key, None)
         self._notify(self.on_batch_done)
 
     async def _forward(self, texts: list[str], tokens: Batch | None) -> tuple[Vectors, list[float]]:
@@ -596,19 +665,21 @@ class Batcher:
         request.taken = len(request.texts)
 
     def _expire(self, request: _Request) -> None:
-        """Fail ``request`` if its deadline passed before all its items reached the engine."""
-        if request.future.done() or request.sent == len(request.texts):
-            return
-        dropped = len(request.texts) - request.sent
-        self._expired_items += dropped
-        self._drop(request)
-        waited_ms = (time.monotonic() - request.submitted) * 1000
-        request.future.set_exception(
-            DeadlineExceededError(
-                f"{dropped} of {len(request.texts)} texts were still queued in the "
-                f"{request.lane} lane at their deadline ({waited_ms:.0f} ms after submit)"
+        """Fail ``request`` if its deadline passed before all its items reached the engine
+        (a batch handed over but not started yet included: see ``_start``)."""
+        with self._claim:
+            if request.future.done() or request.sent == len(request.texts):
+                return
+            dropped = len(request.texts) - request.sent
+            self._expired_items += dropped
+            self._drop(request)
+            waited_ms = (time.monotonic() - request.submitted) * 1000
+            request.future.set_exception(
+                DeadlineExceededError(
+                    f"{dropped} of {len(request.texts)} texts were still queued in the "
+                    f"{request.lane} lane at their deadline ({waited_ms:.0f} ms after submit)"
+                )
             )
-        )
 
     def _observe_wait(self, lane: str, seconds: float) -> None:
         self._wait_ms.append(seconds * 1000)

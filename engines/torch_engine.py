@@ -287,6 +287,11 @@ class TorchEngine(Engine):
             embeddings = model(features)["sentence_embedding"]
             return embeddings.float().cpu().numpy()
 
+    def postprocess(self, output: Any, batch: Batch) -> Vectors:
+        if self._runner is not None:  # normalised on the device already (pooled_embedding)
+            return np.ascontiguousarray(output, dtype=np.float32)
+        return super().postprocess(output, batch)
+
     def _forward_static(self, batch: Batch) -> Vectors:
         if "chunks" not in batch.data:
             raise EngineError("batch was not tokenized by this engine's fixed-shape path")

@@ -455,27 +455,82 @@ def test_full_warmup_batch_is_tokenized_ahead_and_dispatch_waits_one_forward_at_
     run(test)
 
 
+class GatedTokenizerEngine(ThreadRecordingEngine):
+    """The tokenizer thread's ``tokenize`` waits for ``tokenized`` to be released."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.tokenizing = threading.Event()
+        self.tokenized = threading.Event()
+
+    def tokenize(self, texts: Any) -> Batch:
+        if threading.current_thread().name.startswith("tokenizer"):
+            self.tokenizing.set()
+            if not self.tokenized.wait(timeout=30):
+                raise AssertionError("the test never released the tokenizer")
+        return super().tokenize(texts)
+
+
 @pytest.mark.parametrize("drop", ["cancelled", "expired"])
-def test_request_dropped_after_tokenize_ahead_never_reaches_the_engine(drop: str) -> None:
+def test_request_dropped_while_its_batch_is_tokenized_never_reaches_the_engine(drop: str) -> None:
     async def test() -> None:
-        engine = ThreadRecordingEngine(hold=True)
+        engine = GatedTokenizerEngine(hold=True)
         async with Batcher(engine, max_batch_size=2) as batcher:
             first = spawn(batcher.submit(["first"]))
             await engine_busy(engine)
             deadline = deadline_after(20) if drop == "expired" else None
             doomed = spawn(batcher.submit(["doomed"], deadline=deadline))
             kept = spawn(batcher.submit(["kept"]))
-            await until(lambda: len(engine.tokenized_on) == 2)  # both tokenized ahead
+            assert await asyncio.to_thread(engine.tokenizing.wait, 30)  # both taken ahead
             if drop == "cancelled":
                 doomed.cancel()
             with pytest.raises(
                 asyncio.CancelledError if deadline is None else DeadlineExceededError
             ):
                 await doomed
+            engine.tokenized.set()
             engine.release()
             np.testing.assert_array_equal(await kept, engine.expected(["kept"]))
             await first
+            assert batcher.stats().items == 2
         assert engine.batches == [["first"], ["kept"]]
+
+    run(test)
+
+
+@pytest.mark.parametrize("drop", ["cancelled", "expired"])
+def test_a_batch_handed_over_runs_next_without_a_turn_of_the_event_loop(drop: str) -> None:
+    """The next full batch waits on the engine thread: while the event loop is blocked (as a
+    loaded engine process's is, for milliseconds at a time), the engine goes on to it. A
+    request that goes away or expires before the engine starts on it is still never run."""
+
+    async def test() -> None:
+        engine = ThreadRecordingEngine(hold=True)
+        async with Batcher(engine, max_batch_size=2) as batcher:
+            first = spawn(batcher.submit(["first"]))
+            await engine_busy(engine)
+            deadline = deadline_after(20) if drop == "expired" else None
+            doomed = spawn(batcher.submit(["a"], deadline=deadline))
+            kept = spawn(batcher.submit(["b"]))
+            await until(lambda: batcher.waiting_engine == 2)  # tokenized and handed over
+            assert batcher.stats().items == 1  # counted when the engine starts on them
+            if drop == "cancelled":
+                doomed.cancel()
+            with pytest.raises(
+                asyncio.CancelledError if deadline is None else DeadlineExceededError
+            ):
+                await doomed  # an expiry fails it at its deadline, not after "first"
+            engine.entered.clear()
+            engine.release()
+            # Block this loop: only the engine thread can start the second batch now.
+            assert engine.entered.wait(timeout=10), "the engine waited for the event loop"
+            np.testing.assert_array_equal(await kept, engine.expected(["b"]))
+            await first
+            stats = batcher.stats()
+            assert stats.items == stats.ok_items == 2
+            assert stats.expired_items == (1 if drop == "expired" else 0)
+            assert batcher.queued == 0
+        assert engine.batches == [["first"], ["b"]]
 
     run(test)
 

@@ -135,4 +135,5 @@ def test_static_shape_torch_path_matches_on_cpu(reference: np.ndarray) -> None:
     engine.load()
     vectors = engine.embed(PARITY_TEXTS)  # 50 texts: chunks of 8, padded to (8, 16|256)
     assert np.sum(vectors * reference, axis=1).min() >= 0.9999
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)  # unit rows
     assert engine.health()["cuda_graphs"] == 0
