@@ -54,7 +54,6 @@ ComputeFn = Callable[[Sequence[str], str], Awaitable[Vectors]]
 """``async compute(texts, lane) -> (len(texts), dim) float32``; production: Batcher.submit."""
 Ttls = Mapping[str, float]  # text -> seconds, for the texts written with a TTL
 Links = Sequence[tuple[str, str, str]]  # (kind, id, text): entities whose texts these are
-Since = float | Sequence[float | None] | None  # when the lookups began: one, or one per text
 WriteBackFn = Callable[[Sequence[tuple[str, Row]], Ttls, Links], Awaitable[bool]]
 """Writes computed rows to the store; False when the store failed (absorbed)."""
 
@@ -145,12 +144,11 @@ class SingleFlight:
         lane: str,
         caller: str,
         ttl_s: Ttls | None = None,
-        since: Since = None,
+        since: float | None = None,
         links: Links = (),
         durable: bool = True,
     ) -> Flown:
-        """Rows of ``texts``. ``since``: when the caller's store lookup began (monotonic;
-        one for all, or one per text when several callers' texts come together).
+        """Rows of ``texts``. ``since``: when the caller's store lookup began (monotonic).
         ``links``: entities of these texts, linked to their vectors in the write-back's own
         transaction. ``durable``: return once the rows are written back, not as soon as
         they are computed (a caller that links entities itself needs its vectors first)."""
@@ -159,10 +157,10 @@ class SingleFlight:
         flight: _Flight | None = None  # this call's own computation, if it needs one
         waits: list[tuple[_Flight, int]] = []
         coalesced: list[bool] = []
-        recent, joinable_after = self._recent, _since_each(since, len(texts))
-        for text, after in zip(texts, joinable_after, strict=True):
+        recent, joinable_after = self._recent, float("inf") if since is None else since
+        for text in texts:
             entry = inflight.get(text)
-            if entry is None and (late := recent.get(text)) and late[2] >= after:
+            if entry is None and (late := recent.get(text)) and late[2] >= joinable_after:
                 entry = late[:2]
             coalesced.append(entry is not None)  # earlier in these texts counts too
             if entry is None:
@@ -240,12 +238,3 @@ class SingleFlight:
         """Let running computations finish and write back (up to ``grace_s`` seconds)."""
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=grace_s)
-
-
-def _since_each(since: Since, count: int) -> list[float]:
-    """``since`` per text; no lookup time: nothing recent is joinable."""
-    if since is None or isinstance(since, (int, float)):
-        return [float("inf") if since is None else float(since)] * count
-    if len(since) != count:
-        raise ValueError(f"{len(since)} lookup times for {count} texts")
-    return [float("inf") if s is None else s for s in since]

@@ -22,7 +22,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextvars import ContextVar
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from itertools import chain, pairwise
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from cache.flight import Flown, Since, SingleFlight, Vectors
+from cache.flight import Flown, SingleFlight, Vectors
 from cache.stores import TieredByteStore
 from cache.writer import VectorWriter
 from engines.base import Engine, EngineInfo
@@ -168,7 +168,7 @@ class EngineHost:
         lane: str,
         caller: str,
         ttl_s: Mapping[str, float],
-        since: Since = None,
+        since: float | None = None,
         links: Sequence[tuple[str, str, str]] = (),
         durable: bool = True,
     ) -> Flown:
@@ -406,35 +406,14 @@ def engine_handlers(host: EngineHost, server: RpcServer) -> dict[str, Handler]:
     }
 
 
-@dataclass
-class _Gathered:
-    """Requests of one kind waiting for a free call slot, to be sent as one call."""
-
-    future: asyncio.Future[Flown]
-    texts: list[str] = field(default_factory=list)
-    since: list[float | None] = field(default_factory=list)
-    ttl_s: dict[str, float] = field(default_factory=dict)
-
-
 class RemoteEngine:
     """The engine process, as the workers see it: a ``Flight`` for their caches, its health
-    and identity from the last ping (no round trip for /readyz).
+    and identity from the last ping (no round trip for /readyz)."""
 
-    At most ``max_calls`` embed calls of one (lane, caller, durable) are in flight from this
-    worker at once (0: no limit); the requests that arrive meanwhile wait here and go
-    together, as one call, when a slot frees (each keeps its own lookup time, ``since``).
-    Under load the engine process then handles a few large calls instead of many small ones:
-    its one interpreter, not the GPU, bounded new texts on the H200. With a slot free, a
-    request goes at once. Requests with entity links go alone."""
-
-    def __init__(self, client: RpcClient, info: EngineInfo, *, max_calls: int = 0) -> None:
+    def __init__(self, client: RpcClient, info: EngineInfo) -> None:
         self.client = client
         self.info = info
-        self.max_calls = max_calls
         self._tokenizer: FastTokenizer | None = None
-        self._calls: dict[tuple[str, str, bool], int] = {}  # kind -> calls in flight
-        self._waiting: dict[tuple[str, str, bool], _Gathered] = {}
-        self._sends: set[asyncio.Task[None]] = set()
 
     def _token_ids(self, texts: Sequence[str]) -> tuple[dict[str, Any], Blobs]:
         """The texts' token ids when the engine pads ids of a tokenizer this process has: one
@@ -466,59 +445,6 @@ class RemoteEngine:
         links: Sequence[tuple[str, str, str]] = (),
         durable: bool = True,
     ) -> Flown:
-        kind = (lane, caller, durable)
-        if links or not texts or self.max_calls <= 0:
-            return await self._call(texts, kind, ttl_s, since, links)
-        if self._calls.get(kind, 0) < self.max_calls and kind not in self._waiting:
-            self._calls[kind] = self._calls.get(kind, 0) + 1
-            try:
-                return await self._call(texts, kind, ttl_s, since)
-            finally:
-                self._call_done(kind)
-        gathered = self._waiting.get(kind)
-        if gathered is None:
-            future = asyncio.get_running_loop().create_future()
-            future.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved
-            gathered = self._waiting[kind] = _Gathered(future)
-        start = len(gathered.texts)
-        gathered.texts += texts
-        gathered.since += [since] * len(texts)
-        gathered.ttl_s.update(ttl_s)
-        # shielded: a caller that goes away does not cancel the others' call
-        flown = await asyncio.shield(gathered.future)
-        stop = start + len(texts)
-        return Flown(flown.rows[start:stop], flown.coalesced[start:stop])
-
-    def _call_done(self, kind: tuple[str, str, bool]) -> None:
-        """A call of ``kind`` returned: the requests that waited for it go, as one call."""
-        self._calls[kind] -= 1
-        gathered = self._waiting.pop(kind, None)
-        if gathered is None:
-            return
-        self._calls[kind] += 1
-        task = asyncio.get_running_loop().create_task(self._send(kind, gathered))
-        self._sends.add(task)
-        task.add_done_callback(self._sends.discard)
-
-    async def _send(self, kind: tuple[str, str, bool], gathered: _Gathered) -> None:
-        try:
-            flown = await self._call(gathered.texts, kind, gathered.ttl_s, gathered.since)
-        except Exception as exc:
-            gathered.future.set_exception(exc)
-        else:
-            gathered.future.set_result(flown)
-        finally:
-            self._call_done(kind)
-
-    async def _call(
-        self,
-        texts: Sequence[str],
-        kind: tuple[str, str, bool],
-        ttl_s: Mapping[str, float],
-        since: float | Sequence[float | None] | None,
-        links: Sequence[tuple[str, str, str]] = (),
-    ) -> Flown:
-        lane, caller, durable = kind
         tokens, blobs = self._token_ids(texts)
         reply, frames = await self.client.call(
             "embed",
@@ -528,7 +454,7 @@ class RemoteEngine:
             lane=lane,
             caller=caller,
             ttl=dict(ttl_s),
-            since=since if since is None or isinstance(since, float) else list(since),
+            since=since,
             links=[list(link) for link in links],
             durable=durable,
         )

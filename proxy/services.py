@@ -349,10 +349,7 @@ async def open_worker_services(
         for client in (*engine_clients, index_client):
             await client.start()
             stack.push_async_callback(client.close)
-        remotes = [
-            RemoteEngine(client, cluster.info, max_calls=settings.engine_calls_per_worker)
-            for client in engine_clients
-        ]
+        remotes = [RemoteEngine(client, cluster.info) for client in engine_clients]
         engine = EngineRouter(remotes, cluster.devices, settings.engine_routing)
         index = RemoteIndex(index_client)
         tiers = build_tiers(settings)

@@ -46,12 +46,6 @@ class Settings(BaseSettings):
     # batcher
     max_batch_size: int = Field(64, ge=1, le=8192)
     max_delay_ms: float = Field(2.0, ge=0.0, le=1000.0)
-    engine_calls_per_worker: int = Field(
-        2,
-        ge=0,
-        description="embed calls of one lane and caller a worker keeps in flight to an engine; "
-        "requests arriving meanwhile wait and go together in the next (0: no limit)",
-    )
     engine_switch_interval_ms: float = Field(
         5.0,
         gt=0.0,
