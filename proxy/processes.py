@@ -24,7 +24,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -134,9 +133,6 @@ def engine_main(spec: ChildSpec, engine: int = 0) -> None:
 
 async def _engine(spec: ChildSpec, index: int) -> None:
     settings, run_dir = spec.engine_settings(index), Path(spec.run_dir)
-    # How long the engine thread, back from the device, may wait for the GIL while the
-    # event loop holds it (Python's default: 5 ms).
-    sys.setswitchinterval(settings.engine_switch_interval_ms / 1000.0)
     stop = _stop_event()
     engine = build_engine(settings)
     info_file = run_dir / engine_file(index)

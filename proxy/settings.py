@@ -46,12 +46,6 @@ class Settings(BaseSettings):
     # batcher
     max_batch_size: int = Field(64, ge=1, le=8192)
     max_delay_ms: float = Field(2.0, ge=0.0, le=1000.0)
-    engine_switch_interval_ms: float = Field(
-        5.0,
-        gt=0.0,
-        le=100.0,
-        description="the engine process's GIL switch interval (sys.setswitchinterval)",
-    )
     max_queue: int = Field(100_000, ge=1)
     max_batch_tokens: int = Field(32_768, ge=8, description="batch size x padded sequence length")
     dispatch_deadline_ms: float | None = Field(
