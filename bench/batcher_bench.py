@@ -8,8 +8,8 @@ queue wait p50 60 ms, forwards 23% of the wall time). Here: ``--submitters`` tas
 submit 32 new texts; the fake engine sleeps ``--forward-ms`` per batch with the GIL released,
 as a device does. For each version of ``engines/batcher.py`` (a worktree of ``--before``, and
 this checkout) the table shows texts/s, the texts a forward held and its wall milliseconds
-(medians of ``--runs``; a forward's milliseconds include the wait for the GIL after the
-sleep, which the loop's work holds).
+(medians of ``--runs``; a forward's milliseconds include its wait for the GIL after the
+sleep, while the loop's work holds it).
 
     .venv/bin/python -m bench.batcher_bench --before 68dc2e9 --runs 3
 
@@ -37,19 +37,23 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 async def measure(work_us: float, args: argparse.Namespace) -> dict[str, float]:
+    import numpy as np
+
     from engines.base import Batch, Vectors
     from engines.batcher import Batcher
     from engines.fake import FakeEngine
 
     class Timed(FakeEngine):
+        """A device's forward: a sleep with the GIL released, rows of zeros (no CPU work)."""
+
         busy = 0.0
 
         def forward(self, batch: Batch) -> Vectors:
             started = time.perf_counter()
-            try:
-                return super().forward(batch)
-            finally:
-                self.busy += time.perf_counter() - started
+            self.calls += 1
+            time.sleep(self.delay_s)
+            self.busy += time.perf_counter() - started
+            return np.zeros((batch.size, self.dim), np.float32)
 
     engine = Timed(dim=384, delay_s=args.forward_ms / 1000)
     loop = asyncio.get_running_loop()
