@@ -91,7 +91,7 @@ LANES = ("dispatch", "warmup")  # priority order: a batch takes dispatch items f
 class InferenceStats:
     """What the engine did, for /v1/stats ``inference`` (durations in milliseconds)."""
 
-    items: int  # texts handed to the engine, failed batches included
+    items: int  # texts the engine thread took (as it starts a batch), failed batches included
     batches: int  # batches handed to the engine, failed ones included
     mean_batch: float
     per_item_ms: float  # engine time of successful batches / their items; 0.0 before any
