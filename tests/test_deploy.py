@@ -283,7 +283,7 @@ def test_alert_rules_query_only_exported_metrics(
 def test_queue_rejections_are_counted_by_reason(tmp_path: Path) -> None:
     """A 429 for a full inference queue counts as queue_full (the alert on queue rejections)."""
     settings = make_settings(tmp_path, max_queue=4, max_texts_per_request=4, max_batch_size=1)
-    with LiveServer(create_app(settings, engine=FakeEngine(delay_s=0.5))) as server:
+    with LiveServer(create_app(settings, engine=FakeEngine(delay_s=1.0))) as server:
         while httpx.get(f"{server.url}/readyz").status_code != 200:
             time.sleep(0.02)
         url = f"{server.url}/v1/embeddings"
@@ -291,7 +291,10 @@ def test_queue_rejections_are_counted_by_reason(tmp_path: Path) -> None:
             target=httpx.post, args=(url,), kwargs={"json": {"input": list("abcd")}, "timeout": 30}
         )
         held.start()  # one text in the engine, one tokenized ahead, two queued
-        time.sleep(0.2)
+        for _ in range(500):  # until the batcher holds them (not a guess at how long that takes)
+            if httpx.get(f"{server.url}/v1/stats").json()["queue"]["depth"] >= 3:
+                break
+            time.sleep(0.01)
         refused = httpx.post(url, json={"input": ["e", "f", "g"]}, timeout=30)
         held.join()
         assert refused.status_code == 429 and "queue is full" in refused.text
