@@ -209,10 +209,8 @@ class Batcher:
         self._lane_waiting = dict.fromkeys(LANES, 0)  # the same, per lane
         self._wakeup = asyncio.Event()
         self._worker: asyncio.Task[None] | None = None
-        self._in_flight: dict[int, list[_Request]] = {}  # batch -> requests, handed over
         self._waiting_engine: dict[int, int] = {}  # batch -> its items, until the engine starts
         self._handed = 0  # batches handed to the engine thread so far (their keys)
-        self._live: dict[int, list[_Slice]] = {}  # batch -> the slices the engine took
         self._claim = threading.Lock()  # the engine thread taking slices | _expire
         self._prepared: list[_Request] = []  # requests in the batch tokenized ahead
         self._prepared_items = 0
@@ -426,7 +424,6 @@ class Batcher:
             self._fail_queued(error)
             if handed:
                 await asyncio.wait(handed)  # the batches handed over finish normally
-            self._fail([r for requests in self._in_flight.values() for r in requests], error)
 
     async def _wait_for_wakeup(self, forward: asyncio.Task[None] | None) -> None:
         """Until a submission (or close) arrives, or the oldest batch handed over finishes."""
@@ -512,13 +509,12 @@ class Batcher:
         if not batch:
             return []
         key = self._handed = self._handed + 1
-        self._in_flight[key] = [request for request, _, _ in batch]
         self._waiting_engine[key] = sum(stop - start for _, start, stop in batch)
         self._batches += 1
         assert self._executor is not None
         loop = asyncio.get_running_loop()
         job = self._executor.submit(self._start, loop, key, batch, tokens)
-        return [asyncio.create_task(self._finish(key, asyncio.wrap_future(job)))]
+        return [asyncio.create_task(self._finish(key, batch, asyncio.wrap_future(job)))]
 
     def _start(
         self,
@@ -526,11 +522,12 @@ class Batcher:
         key: int,
         batch: list[_Slice],
         tokens: Batch | None,
-    ) -> tuple[list[_Slice], Vectors, list[float]]:
+    ) -> tuple[list[_Slice], tuple[Vectors, list[float]] | Exception]:
         """Runs on the engine thread: take the slices of ``batch`` whose request is still
         waiting and within its deadline (under ``_claim``, which ``_expire`` takes too: a
         request is either failed at its deadline or computed, never both), count them on
-        the event loop, and run them."""
+        the event loop, and run them. Returns what it took, with the rows and durations or
+        the engine's error."""
         with self._claim:
             now = time.monotonic()
             live = [
@@ -541,15 +538,16 @@ class Batcher:
             ]
             for request, start, stop in live:
                 request.sent += stop - start
-        self._live[key] = live
         self._waiting_engine.pop(key, None)  # one dict operation: atomic under the GIL
         loop.call_soon_threadsafe(self._sent, live, now)  # before the result's callback
         if len(live) < len(batch):  # expired or went away after hand-off: not computed
             tokens = None
         if not live:
-            return live, np.empty((0, self.engine.dim), dtype=np.float32), []
-        vectors, durations = self._embed(self._texts(live), tokens)
-        return live, vectors, durations
+            return live, (np.empty((0, self.engine.dim), dtype=np.float32), [])
+        try:
+            return live, self._embed(self._texts(live), tokens)
+        except Exception as exc:
+            return live, exc
 
     def _sent(self, live: list[_Slice], now: float) -> None:
         """On the event loop: the slices the engine thread started on, counted."""
@@ -562,36 +560,42 @@ class Batcher:
                 self._uncounted_items += stop - start
 
     async def _finish(
-        self, key: int, job: asyncio.Future[tuple[list[_Slice], Vectors, list[float]]]
+        self,
+        key: int,
+        handed: list[_Slice],
+        job: asyncio.Future[tuple[list[_Slice], tuple[Vectors, list[float]] | Exception]],
     ) -> None:
         """Resolve the requests of a batch handed over, with its rows or its error."""
+        outcome: tuple[Vectors, list[float]] | Exception
         try:
-            batch, vectors, durations = await job
-        except Exception as exc:
-            batch = self._live.get(key, [])  # what the engine thread took of it
+            batch, outcome = await job
+        except asyncio.CancelledError:  # the batcher stopped: nobody is left waiting
+            self._fail([request for request, _, _ in handed], EngineError("batcher stopped"))
+            raise
+        except Exception as exc:  # a bug around the engine call: its error, to all it held
+            batch, outcome = handed, exc
+        finally:
+            self._waiting_engine.pop(key, None)
+        if isinstance(outcome, Exception):
             size = sum(stop - start for _, start, stop in batch)
-            if isinstance(exc, BatchError) and len(batch) > 1:
-                self._batch_failed(exc, size, healthy=True)
+            if isinstance(outcome, BatchError) and len(batch) > 1:
+                self._batch_failed(outcome, size, healthy=True)
                 for item in batch:  # alone: only those whose own texts fail get the error
                     await self._run_alone(item)
             else:
-                error = exc if isinstance(exc, BatchError) else as_engine_error(exc)
+                error = outcome if isinstance(outcome, BatchError) else as_engine_error(outcome)
                 # An engine that declines (EngineUnavailableError) reports why, and when
                 # it is back, in its own health(); only a real failure marks the batcher
                 # unhealthy.
-                healthy = isinstance(exc, (BatchError, EngineUnavailableError))
-                self._batch_failed(exc, size, healthy=healthy)
+                healthy = isinstance(outcome, (BatchError, EngineUnavailableError))
+                self._batch_failed(outcome, size, healthy=healthy)
                 self._fail([request for request, _, _ in batch], error)
+        elif batch:
+            vectors, durations = outcome
+            self._batches += len(durations) - 1  # one per forward when the budget split it
+            self._done(batch, vectors, durations)
         else:
-            if batch:
-                self._batches += len(durations) - 1  # one per forward when the budget split
-                self._done(batch, vectors, durations)
-            else:
-                self._batches -= 1  # nothing of it reached the engine
-        finally:
-            del self._in_flight[key]
-            self._waiting_engine.pop(key, None)
-            self._live.pop(key, None)
+            self._batches -= 1  # nothing of it reached the engine
         self._notify(self.on_batch_done)
 
     async def _forward(self, texts: list[str], tokens: Batch | None) -> tuple[Vectors, list[float]]:

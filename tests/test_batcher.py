@@ -471,6 +471,15 @@ class GatedTokenizerEngine(ThreadRecordingEngine):
         return super().tokenize(texts)
 
 
+async def dropped(doomed: asyncio.Task[Vectors], drop: str) -> None:
+    """``doomed`` goes away (``cancelled``) or its deadline passes (``expired``, set by the
+    caller): either way it fails, and accordingly."""
+    if drop == "cancelled":
+        doomed.cancel()
+    with pytest.raises(asyncio.CancelledError if drop == "cancelled" else DeadlineExceededError):
+        await doomed
+
+
 @pytest.mark.parametrize("drop", ["cancelled", "expired"])
 def test_request_dropped_while_its_batch_is_tokenized_never_reaches_the_engine(drop: str) -> None:
     async def test() -> None:
@@ -482,12 +491,7 @@ def test_request_dropped_while_its_batch_is_tokenized_never_reaches_the_engine(d
             doomed = spawn(batcher.submit(["doomed"], deadline=deadline))
             kept = spawn(batcher.submit(["kept"]))
             assert await asyncio.to_thread(engine.tokenizing.wait, 30)  # both taken ahead
-            if drop == "cancelled":
-                doomed.cancel()
-            with pytest.raises(
-                asyncio.CancelledError if deadline is None else DeadlineExceededError
-            ):
-                await doomed
+            await dropped(doomed, drop)
             engine.tokenized.set()
             engine.release()
             np.testing.assert_array_equal(await kept, engine.expected(["kept"]))
@@ -515,12 +519,7 @@ def test_a_batch_handed_over_runs_next_without_a_turn_of_the_event_loop(drop: st
             kept = spawn(batcher.submit(["b"]))
             await until(lambda: batcher.waiting_engine == 2)  # tokenized and handed over
             assert batcher.stats().items == 1  # counted when the engine starts on them
-            if drop == "cancelled":
-                doomed.cancel()
-            with pytest.raises(
-                asyncio.CancelledError if deadline is None else DeadlineExceededError
-            ):
-                await doomed  # an expiry fails it at its deadline, not after "first"
+            await dropped(doomed, drop)  # an expiry fails it at its deadline, not after "first"
             engine.entered.clear()
             engine.release()
             # Block this loop: only the engine thread can start the second batch now.
