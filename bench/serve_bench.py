@@ -242,7 +242,8 @@ def measure_layout(
     tag = f"{workers}-{settings['device'].replace(',', '_').replace(':', '')}"
     tag += f"-{settings['engine_routing']}"
     data_dir = Path(tempfile.mkdtemp(prefix="fleetcache-bench-"))
-    server = Server(workers, data_dir, settings, out / f"server-{tag}.log", args.server_cpus)
+    code = Path(args.code).resolve()
+    server = Server(workers, data_dir, settings, out / f"server-{tag}.log", args.server_cpus, code)
     try:
         started = time.monotonic()
         server.wait_ready()
@@ -255,7 +256,7 @@ def measure_layout(
         health = server.health_url
         idle_health = wrk.run("healthz.lua", health, 2, min(d, 4), **gap) if health else None
         runs: dict[str, list[dict[str, float]]] = {
-            "hits": [], "probe": [], "health": [], "misses": []
+            "hits": [], "probe": [], "health": [], "misses": [], "engine_cpu": []
         }  # fmt: skip
         for run in range(args.runs):
             if not args.skip_hits:
@@ -265,10 +266,12 @@ def measure_layout(
                 runs["probe"].append(wrk.result(probe))
                 if beside is not None:
                     runs["health"].append(wrk.result(beside))
+            cpu = EngineCpu(server)
             with profiled(args, server, out / f"profile-misses-{workers}.txt", run == 0):
                 runs["misses"].append(
                     wrk.run("misses.lua", url, c, d, FMT="base64", SALT=f"r{run}-")
                 )
+            runs["engine_cpu"].append(cpu.per_item())
         twins = measure_twins(server, wrk, c, d) if args.twins else None
         engines = server.stats()["processes"]["engines"]
         killed = None
@@ -280,6 +283,8 @@ def measure_layout(
         row["device_items"] = [device["items"] for device in stats["inference"]["devices"]]
         row["killed"] = killed
         row["twins"] = twins
+        cpu_runs = runs.pop("engine_cpu")
+        row["engine_cpu"] = {k: median([r[k] for r in cpu_runs]) for k in ("loop", "process")}
         for phase, results in runs.items():
             if not results:
                 results = [dict.fromkeys(("req_s", "p50_ms", "p99_ms", "errors"), 0.0)]
@@ -301,6 +306,44 @@ def measure_layout(
         server.stop()
         shutil.rmtree(data_dir, ignore_errors=True)
         print(f"{name}: measured", file=sys.stderr)
+
+
+class EngineCpu:
+    """CPU time the engine processes spent from now on, per text they took (microseconds):
+    their event loops' (the main threads) and their whole processes' (every thread). The loop
+    of one engine process is what bounds new texts (docs/BENCHMARKS.md), so its microseconds
+    per text say where that bound is on any machine: 1e6 / loop us per text, per engine."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.pids = [e["pid"] for e in server.stats()["processes"]["engines"]]
+        self.items = server.stats()["inference"]["items"]
+        self.ticks = self.read()
+
+    def read(self) -> tuple[int, int]:
+        loop = process = 0
+        for pid in self.pids:
+            for path, into_loop in (
+                (f"/proc/{pid}/task/{pid}/stat", True),
+                (f"/proc/{pid}/stat", False),
+            ):
+                with contextlib.suppress(OSError):  # an engine restarted: its ticks are lost
+                    fields = Path(path).read_text().rsplit(")", 1)[1].split()
+                    ticks = int(fields[11]) + int(fields[12])  # utime + stime
+                    loop, process = (
+                        (loop + ticks, process) if into_loop else (loop, process + ticks)
+                    )
+        return loop, process
+
+    def per_item(self) -> dict[str, float]:
+        items = max(self.server.stats()["inference"]["items"] - self.items, 1)
+        hz = os.sysconf("SC_CLK_TCK")
+        return {
+            name: (after - before) / hz * 1e6 / items
+            for name, before, after in zip(
+                ("loop", "process"), self.ticks, self.read(), strict=True
+            )
+        }
 
 
 def measure_twins(server: Server, wrk: Wrk, connections: int, seconds: float) -> dict[str, Any]:
@@ -398,8 +441,9 @@ def profiled(args: argparse.Namespace, server: Server, path: Path, wanted: bool)
     if not (args.profile and wanted):
         yield
         return
+    who = ["--gil"] if args.profile_gil else ["--idle"]  # threads holding the GIL | all
     spy = subprocess.Popen(
-        [args.profile, "record", "-p", str(server.process.pid), "--subprocesses", "--idle",
+        [args.profile, "record", "-p", str(server.process.pid), "--subprocesses", *who,
          "-r", "50", "-d", "600", "-f", "raw", "-o", str(path), "--nonblocking"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
@@ -481,7 +525,8 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
     columns = ["layout", "ready s", "hits req/s", "hit texts/s", "hit p50 / p99 ms (worst)"]
     columns += ["probe p99 idle -> under hits ms", "health port p99 idle -> under hits ms"]
     columns += ["miss texts/s", "miss p50 / p99 ms", "misses / batcher", "items == misses"]
-    columns += ["per-worker requests", "items per engine"]
+    columns += ["engine loop / process CPU us per text", "per-worker requests"]
+    columns += ["items per engine"]
     table = []
     for r in rows:
         hits, probe, misses = r["hits"], r["probe"], r["misses"]
@@ -502,6 +547,7 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
                 f"{misses['p50_ms']:.1f} / {misses['p99_ms']:.1f}",
                 ratio,
                 str(r["items_equal_misses"]),
+                f"{r['engine_cpu']['loop']:.1f} / {r['engine_cpu']['process']:.1f}",
                 str(r["per_worker_requests"]),
                 str(r["device_items"]),
             ]
@@ -588,6 +634,7 @@ def main() -> None:
     parser.add_argument("--kill-engine", action="store_true", help="kill engine 1 under misses")
     parser.add_argument("--model", default=None, help="model dir (default: the packaged one)")
     parser.add_argument("--store", default="lmdb")
+    parser.add_argument("--code", default=str(REPO), help="serve another checkout (A/B)")
     parser.add_argument("--max-batch-size", type=int, default=256)
     parser.add_argument("--workers", type=int, nargs="*", default=[1, 2])
     parser.add_argument("--single", action="store_true", help="also the one-process layout")
@@ -602,6 +649,7 @@ def main() -> None:
     parser.add_argument("--server-cpus", default="", help="taskset cpu list for the server")
     parser.add_argument("--out", default=None, help="directory for logs and stats")
     parser.add_argument("--profile", default="", help="py-spy binary: profile misses, warm-up")
+    parser.add_argument("--profile-gil", action="store_true", help="only threads holding the GIL")
     parser.add_argument(
         "--set", action="append", default=[], metavar="NAME=VALUE", help="a FLEETCACHE_ setting"
     )
@@ -618,8 +666,8 @@ def main() -> None:
     }
     if args.engine == "fake":
         settings["fake_delay_ms"] = args.fake_delay_ms
-    if args.model:
-        settings["model_path"] = args.model
+    if args.model:  # absolute: a server of another checkout (--code) runs in that directory
+        settings["model_path"] = str(Path(args.model).resolve())
     settings |= dict(pair.split("=", 1) for pair in args.set)
     args.devices = args.devices or [args.device]
     wrk = Wrk(args.wrk, args.wrk_threads, args.wrk_cpus)
