@@ -305,6 +305,11 @@ class Batcher:
         return sum(list(self._waiting_engine.values()))  # a copy: the engine thread pops
 
     @property
+    def last_error(self) -> str | None:
+        """The last failed batch's error (``stats`` has it too, with percentiles to compute)."""
+        return self._last_error
+
+    @property
     def per_item_ms(self) -> float:
         """Mean engine time per text so far; the cache prices an avoided call with it."""
         return self._engine_ms / self._ok_items if self._ok_items else 0.0

@@ -218,14 +218,15 @@ class EngineHost:
         return {"workers": 1, "silent": []}
 
     def facts(self) -> dict[str, Any]:
-        """What the board cannot hold: the engine's identity, health and last error."""
-        stats = self.batcher.stats()
+        """What the board cannot hold: the engine's identity, health and last error (every
+        worker's ping asks, five times a second: nothing here may cost a percentile)."""
+        batcher = self.batcher
         return {
             "info": asdict(self.info),
             "namespace": self.namespace,
             "health": asdict(self.health()),
-            "last_error": stats.last_error,
-            "per_item_ms": stats.per_item_ms,
+            "last_error": batcher.last_error,
+            "per_item_ms": batcher.per_item_ms,
             "store": None if self.store is None else self.store.store_health(),
             "tokenizer": None
             if (t := self.tokenizer) is None
