@@ -131,10 +131,11 @@ def frozen_heap() -> Iterator[None]:
     created since.
 
     Measured during a 10,000-driver warm-up in the server: a full collection on the event loop
-    took 241 ms (every dispatch request waited for it), 37 ms with the heap frozen. Only
-    ``fleetcache serve`` (its workers, engine and index processes) and ``fleetcache warmup``
-    do it, and undo it on the way out: while frozen, hypothesis' reference checks (tests)
-    cannot see those objects.
+    took 241 ms (every dispatch request waited for it), 37 ms with the heap frozen; the engine
+    process's loop, 40.6 -> 33.0 us of CPU per new text on the H200 (docs/BENCHMARKS.md). The
+    processes ``fleetcache serve`` and ``fleetcache warmup`` start do it (workers, engine and
+    index processes), and undo it on the way out: while frozen, hypothesis' reference checks
+    (tests) cannot see those objects.
     """
     gc.collect()
     gc.freeze()
