@@ -353,7 +353,8 @@ def measure_twins(server: Server, wrk: Wrk, connections: int, seconds: float) ->
     after = server.stats()
 
     def delta(*path: str) -> int:
-        a, b = after, before
+        a: Any = after
+        b: Any = before
         for key in path:
             a, b = a[key], b[key]
         return int(a) - int(b)

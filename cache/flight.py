@@ -84,16 +84,22 @@ class Flight(Protocol):
 
 
 class _Flight:
-    """One compute call: its texts and ONE future for all their rows (not one per text: at
-    warm-up sizes a future and its callbacks per text cost more than the cache)."""
+    """One compute call: its texts, each text's row, and ONE future for all their rows (not
+    one per text: at warm-up sizes a future and its callbacks per text cost more than the
+    cache). The maps hold the flight itself for each of its texts, not a tuple per text that
+    lives until (in ``recent``, after) the write-back: the engine process's loop then spent
+    7-15% less CPU per new text (``bench/engine_bench.py``, docs/BENCHMARKS.md)."""
 
-    __slots__ = ("future", "texts", "written")
+    __slots__ = ("future", "row", "texts", "written", "written_at")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.texts: list[str] = []
+        self.row: dict[str, int] = {}  # text -> its row in ``future``'s result
         self.future: asyncio.Future[Vectors] = loop.create_future()
         self.future.add_done_callback(_retrieve)
         self.written: asyncio.Future[None] = loop.create_future()  # the write-back ended
+        # when written back: time.monotonic, the same in every process of one machine
+        self.written_at = float("-inf")
 
 
 def _retrieve(fut: asyncio.Future[Vectors]) -> None:
@@ -124,10 +130,8 @@ class SingleFlight:
         self._stats = stats
         self._count_misses = count_misses
         self._per_item_ms = per_item_ms
-        self._inflight: dict[str, tuple[_Flight, int]] = {}  # text -> (flight, its row)
-        # text -> (flight, its row, when written back: time.monotonic, the same in every
-        # process of one machine)
-        self._recent: OrderedDict[str, tuple[_Flight, int, float]] = OrderedDict()
+        self._inflight: dict[str, _Flight] = {}  # text -> the flight computing it
+        self._recent: OrderedDict[str, _Flight] = OrderedDict()  # text -> its written flight
         self._max_recent = recent
         self._on_settled = on_settled  # called when a flight's entries leave the map
         self._tasks: set[asyncio.Task[None]] = set()
@@ -155,20 +159,21 @@ class SingleFlight:
         loop = asyncio.get_running_loop()
         inflight = self._inflight
         flight: _Flight | None = None  # this call's own computation, if it needs one
-        waits: list[tuple[_Flight, int]] = []
+        waits: list[_Flight] = []  # each text's flight
         coalesced: list[bool] = []
         recent, joinable_after = self._recent, float("inf") if since is None else since
         for text in texts:
-            entry = inflight.get(text)
-            if entry is None and (late := recent.get(text)) and late[2] >= joinable_after:
-                entry = late[:2]
-            coalesced.append(entry is not None)  # earlier in these texts counts too
-            if entry is None:
+            owner = inflight.get(text)
+            if owner is None and (late := recent.get(text)) and late.written_at >= joinable_after:
+                owner = late
+            coalesced.append(owner is not None)  # earlier in these texts counts too
+            if owner is None:
                 if flight is None:
                     flight = _Flight(loop)
-                entry = inflight[text] = (flight, len(flight.texts))
+                owner = inflight[text] = flight
+                flight.row[text] = len(flight.texts)
                 flight.texts.append(text)
-            waits.append(entry)
+            waits.append(owner)
         joined = sum(coalesced)
         if self._stats is not None and (joined or self._count_misses):
             misses = len(coalesced) - joined if self._count_misses else 0
@@ -182,7 +187,7 @@ class SingleFlight:
             task.add_done_callback(self._tasks.discard)
         # asyncio.wait, not ``await fut``: cancelling this caller must not cancel the
         # futures that other callers share.
-        pending = {f.written if durable else f.future for f, _ in waits}
+        pending = {f.written if durable else f.future for f in waits}
         pending = {f for f in pending if not f.done()}
         if pending:
             await asyncio.wait(pending)
@@ -190,7 +195,8 @@ class SingleFlight:
             return Flown(np.empty((0, self._dim), np.float32), [])
         if not joined and flight is not None and len(flight.texts) == len(waits):
             return Flown(flight.future.result(), coalesced)  # all its own, in order
-        return Flown(np.stack([f.future.result()[i] for f, i in waits]), coalesced)
+        rows = [f.future.result()[f.row[t]] for f, t in zip(waits, texts, strict=True)]
+        return Flown(np.stack(rows), coalesced)
 
     async def _run(self, flight: _Flight, lane: str, ttl_s: Ttls, links: Links) -> None:
         texts, fut = flight.texts, flight.future
@@ -221,14 +227,14 @@ class SingleFlight:
         finally:
             if not flight.written.done():  # durable waiters go on, whatever happened
                 flight.written.set_result(None)
-            written_at = time.monotonic()
+            flight.written_at = time.monotonic()
+            inflight, recent = self._inflight, self._recent
             for text in texts:
-                entry = self._inflight.get(text)
-                if entry is not None and entry[0] is flight:
-                    del self._inflight[text]
+                if inflight.get(text) is flight:
+                    del inflight[text]
                     if stored:
-                        self._recent[text] = (*entry, written_at)
-                        self._recent.move_to_end(text)
+                        recent[text] = flight
+                        recent.move_to_end(text)
             while len(self._recent) > self._max_recent:
                 self._recent.popitem(last=False)
             if self._on_settled is not None:
