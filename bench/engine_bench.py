@@ -106,8 +106,8 @@ def client(run_dir: str, concurrency: int, seconds: float, tag: str, out: Any) -
     out.put(asyncio.run(run()))
 
 
-def ticks(pid: int) -> tuple[int, int]:
-    """utime + stime of the process's main thread and of the whole process."""
+def cpu_ticks(pid: int) -> tuple[int, int]:
+    """utime + stime (clock ticks) of the process's main thread and of the whole process."""
 
     def read(path: str) -> int:
         fields = Path(path).read_text().rsplit(")", 1)[1].split()
@@ -150,9 +150,9 @@ def round_of(code: Path, args: argparse.Namespace, tag: str) -> dict[str, float]
 
         load(2.0, f"{tag}w")  # warm: imports, first batches, LMDB's first pages
         pid = engine.pid  # engine_main runs in the process started here
-        before, started = ticks(pid), time.monotonic()
+        before, started = cpu_ticks(pid), time.monotonic()
         sent = load(args.duration, tag)
-        elapsed, after = time.monotonic() - started, ticks(pid)
+        elapsed, after = time.monotonic() - started, cpu_ticks(pid)
         hz = os.sysconf("SC_CLK_TCK")
         return {
             "texts_s": sent / elapsed,

@@ -10,7 +10,8 @@ the same app in one process, ``create_app`` under uvicorn, as v1 ran) on a fresh
   2026-12-01 20:35 UTC a closed loop, which loaded the server it measured); with workers also
   the same probe on the health port (``FLEETCACHE_HEALTH_PORT``, the supervisor's);
 - all-miss requests (``misses.lua``: 32 texts never seen before, in every run): texts/s,
-  p50/p99, and how many texts each engine process took;
+  p50/p99, how many texts each engine process took, and the engine processes' CPU per text
+  they took (their main threads, the event loops, and the whole processes: ``EngineCpu``);
 - with ``--devices D ...``: each layout once per ``FLEETCACHE_DEVICE`` value (``cuda`` vs
   ``cuda:0,cuda:0``: one engine process or two on one GPU); with ``--kill-engine`` a
   layout of several engine processes runs its misses once more and kills the second engine
@@ -23,6 +24,7 @@ the same app in one process, ``create_app`` under uvicorn, as v1 ran) on a fresh
   job against the same load alone; and the plain tokenizer's ceiling on all cores over the
   same texts (``tokenizers.encode_batch``), measured in the same run.
 
+``--code DIR`` serves another checkout (a before/after comparison in one device call).
 Each load phase runs ``--runs`` times: the table shows the median of the runs' figures and
 the worst run's p99. ``--batcher`` measures the engine's batcher alone in this process
 (64 concurrent submitters of 32 new texts, no HTTP, no IPC) before any server starts: the
@@ -60,6 +62,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from bench.engine_bench import cpu_ticks
 
 REPO = Path(__file__).resolve().parents[1]
 WRK_DIR = Path(__file__).resolve().parent / "wrk"
@@ -323,16 +327,9 @@ class EngineCpu:
     def read(self) -> tuple[int, int]:
         loop = process = 0
         for pid in self.pids:
-            for path, into_loop in (
-                (f"/proc/{pid}/task/{pid}/stat", True),
-                (f"/proc/{pid}/stat", False),
-            ):
-                with contextlib.suppress(OSError):  # an engine restarted: its ticks are lost
-                    fields = Path(path).read_text().rsplit(")", 1)[1].split()
-                    ticks = int(fields[11]) + int(fields[12])  # utime + stime
-                    loop, process = (
-                        (loop + ticks, process) if into_loop else (loop, process + ticks)
-                    )
+            with contextlib.suppress(OSError):  # an engine restarted: its ticks are lost
+                main, whole = cpu_ticks(pid)
+                loop, process = loop + main, process + whole
         return loop, process
 
     def per_item(self) -> dict[str, float]:
