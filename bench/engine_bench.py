@@ -16,7 +16,8 @@ by 20% from run to run. Here only the engine process runs beside its clients:
 
 Prints per checkout: texts/s, and the engine process's CPU per text (its main thread, the
 loop; and the whole process), read from ``/proc`` over each run; medians of ``--runs``
-rounds, the range beside.
+rounds, the range beside. ``--pin`` puts the engine process on the last core and the clients
+on the others.
 
     .venv/bin/python -m bench.engine_bench                          # this checkout
     .venv/bin/python -m bench.engine_bench --before .before2        # A/B, another checkout
@@ -68,8 +69,12 @@ def serve(run_dir: str, store: str) -> None:
     engine_main(ChildSpec(settings, run_dir, "warning", ("cpu",)))
 
 
-def client(run_dir: str, concurrency: int, seconds: float, tag: str, out: Any) -> None:
+def client(
+    run_dir: str, concurrency: int, seconds: float, tag: str, out: Any, pin: bool = False
+) -> None:
     """One worker's engine calls: ``concurrency`` loops of 32 new texts until ``seconds``."""
+    if pin:
+        os.sched_setaffinity(0, set(range(max(1, (os.cpu_count() or 2) - 1))))
     from proxy.engine_host import RemoteEngine
     from proxy.ipc import RpcClient, address
     from proxy.processes import read_engine_info
@@ -123,6 +128,8 @@ def round_of(code: Path, args: argparse.Namespace, tag: str) -> dict[str, float]
     env["PYTHONPATH"] = os.pathsep.join([str(code), env.get("PYTHONPATH", "")])
     env["HF_HUB_OFFLINE"] = "1"
     command = [sys.executable, __file__, "--serve", str(run_dir), "--store", args.store]
+    if args.pin:  # the engine process alone on the last core, the clients on the others
+        command = ["taskset", "-c", str(os.cpu_count() - 1), *command]
     engine = subprocess.Popen(command, cwd=code, env=env)
     try:
         deadline = time.monotonic() + 120
@@ -137,7 +144,14 @@ def round_of(code: Path, args: argparse.Namespace, tag: str) -> dict[str, float]
             clients = [
                 context.Process(
                     target=client,
-                    args=(str(run_dir), args.concurrency, seconds, f"{label}{i}-", results),
+                    args=(
+                        str(run_dir),
+                        args.concurrency,
+                        seconds,
+                        f"{label}{i}-",
+                        results,
+                        args.pin,
+                    ),
                 )
                 for i in range(args.clients)
             ]
@@ -177,6 +191,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8, help="calls in flight per worker")
     parser.add_argument("--duration", type=float, default=5.0)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--pin", action="store_true", help="the engine on a core of its own")
     args = parser.parse_args()
     if args.serve:
         serve(args.serve, args.store)
