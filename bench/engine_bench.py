@@ -129,7 +129,7 @@ def round_of(code: Path, args: argparse.Namespace, tag: str) -> dict[str, float]
     env["HF_HUB_OFFLINE"] = "1"
     command = [sys.executable, __file__, "--serve", str(run_dir), "--store", args.store]
     if args.pin:  # the engine process alone on the last core, the clients on the others
-        command = ["taskset", "-c", str(os.cpu_count() - 1), *command]
+        command = ["taskset", "-c", str((os.cpu_count() or 2) - 1), *command]
     engine = subprocess.Popen(command, cwd=code, env=env)
     try:
         deadline = time.monotonic() + 120
