@@ -207,7 +207,7 @@ def test_the_engine_device_maps_to_its_nvml_index() -> None:
 def test_a_hard_fault_trips_the_engine_then_three_clean_readings_and_a_probe_restore_it() -> None:
     async def test() -> None:
         gpu = FakeGpu()
-        engine = watched(gpu)
+        engine = watched(gpu, interval_s=0.3)  # tripped for about a second: checked below
         engine.load()
         async with Batcher(engine) as batcher:
             await batcher.submit(["before"])
