@@ -84,17 +84,16 @@ class Flight(Protocol):
 
 
 class _Flight:
-    """One compute call: its texts, each text's row, and ONE future for all their rows (not
+    """One compute call: its texts with their rows, and ONE future for all their rows (not
     one per text: at warm-up sizes a future and its callbacks per text cost more than the
     cache). The maps hold the flight itself for each of its texts, not a tuple per text that
     lives until (in ``recent``, after) the write-back: the engine process's loop then spent
     7-15% less CPU per new text (``bench/engine_bench.py``, docs/BENCHMARKS.md)."""
 
-    __slots__ = ("future", "row", "texts", "written", "written_at")
+    __slots__ = ("future", "row", "written", "written_at")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.texts: list[str] = []
-        self.row: dict[str, int] = {}  # text -> its row in ``future``'s result
+        self.row: dict[str, int] = {}  # text -> its row in ``future``'s result, in that order
         self.future: asyncio.Future[Vectors] = loop.create_future()
         self.future.add_done_callback(_retrieve)
         self.written: asyncio.Future[None] = loop.create_future()  # the write-back ended
@@ -171,17 +170,15 @@ class SingleFlight:
                 if flight is None:
                     flight = _Flight(loop)
                 owner = inflight[text] = flight
-                flight.row[text] = len(flight.texts)
-                flight.texts.append(text)
+                flight.row[text] = len(flight.row)
             waits.append(owner)
         joined = sum(coalesced)
         if self._stats is not None and (joined or self._count_misses):
             misses = len(coalesced) - joined if self._count_misses else 0
             self._stats.record(caller, 0, joined, misses, self._per_item_ms() if joined else 0.0)
         if flight is not None:
-            ttls = {t: ttl for t in flight.texts if (ttl := (ttl_s or {}).get(t)) is not None}
-            own = set(flight.texts) if links else set()
-            linked = [link for link in links if link[2] in own]
+            ttls = {t: ttl for t in flight.row if (ttl := (ttl_s or {}).get(t)) is not None}
+            linked = [link for link in links if link[2] in flight.row]
             task = loop.create_task(self._run(flight, lane, ttls, linked))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -193,13 +190,13 @@ class SingleFlight:
             await asyncio.wait(pending)
         if not waits:
             return Flown(np.empty((0, self._dim), np.float32), [])
-        if not joined and flight is not None and len(flight.texts) == len(waits):
+        if not joined and flight is not None and len(flight.row) == len(waits):
             return Flown(flight.future.result(), coalesced)  # all its own, in order
         rows = [f.future.result()[f.row[t]] for f, t in zip(waits, texts, strict=True)]
         return Flown(np.stack(rows), coalesced)
 
     async def _run(self, flight: _Flight, lane: str, ttl_s: Ttls, links: Links) -> None:
-        texts, fut = flight.texts, flight.future
+        texts, fut = list(flight.row), flight.future
         stored = False  # written back: then it stays joinable a little longer (``recent``)
         try:
             try:
