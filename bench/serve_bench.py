@@ -320,8 +320,9 @@ class EngineCpu:
 
     def __init__(self, server: Server) -> None:
         self.server = server
-        self.pids = [e["pid"] for e in server.stats()["processes"]["engines"]]
-        self.items = server.stats()["inference"]["items"]
+        stats = server.stats()
+        self.pids = [e["pid"] for e in stats["processes"]["engines"]]
+        self.items = stats["inference"]["items"]
         self.ticks = self.read()
 
     def read(self) -> tuple[int, int]:
