@@ -6,25 +6,27 @@ a torch mirror of what ``recommend`` reads, for a first pass over batches of ord
 the replica is built with ``faiss.index_cpu_to_gpu`` on first use and again after vectors
 change.
 
-``DeviceFleet``: every slot's float32 vector, unit 3-vector of its position, availability,
-constraint bits and cargo limits on a CUDA device (torch), refreshed from the table before
-each batch (only the slots changed since, ``touch``). ``first_pass`` answers a batch of
-orders in a few kernels over the whole fleet: one float32 matrix product scores every driver
-for every order (FAISS GPU indexes ignore ID selectors, FACTS.md, so this is torch), masks
-keep the available, eligible drivers in each circle, and a top-k per order sets the bar.
-The GPU sums in another order than FAISS's CPU kernel, so it is a *bounded* first pass: both
-float32 dot products are within ``gamma * ||q|| * ||x||`` of the real one (gamma = (d + 2)
-u / (1 - (d + 2) u), u = 2**-24, any summation order; TF32 is switched off for the product),
-so every driver whose GPU score is below the k-th best GPU score minus twice that bound
-scores below k others exactly, and only the others come back to be scored on the CPU by
-FAISS's own kernel. Points within ``geo.COS_BAND`` of the circle come back too, for the
-haversine test. The answer is the CPU's, bit for bit (tests/test_index_gpu.py).
+``DeviceFleet``: every slot's vector (in float16), unit 3-vector of its position (NaN where
+no available driver is), constraint bits and cargo limits on a CUDA device (torch), refreshed
+from the table before each batch (only the slots changed since, ``touch``). ``first_pass``
+answers a batch of orders in a few kernels over the whole fleet: one matrix product scores
+every driver for every order (FAISS GPU indexes ignore ID selectors, FACTS.md, so this is
+torch), masks keep the available, eligible drivers in each circle, and a top-k per order sets
+the bar. The device rounds the vectors to float16 and sums in another order than FAISS's CPU
+kernel, so it is a *bounded* first pass: its score of a driver is within ``error(q)`` of the
+real float32 one (``DeviceFleet.error``), so every driver whose device score is below the k-th
+best device score minus twice that bound scores below k others exactly, and only the others
+come back to be scored on the CPU by FAISS's own kernel. Drivers within ``geo.COS_BAND`` of
+the circle come back too, for the haversine test. The answer is the CPU's, bit for bit
+(tests/test_index_gpu.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +34,6 @@ import faiss
 import numpy as np
 import numpy.typing as npt
 
-_EPS32 = 2.0**-24
 # What the mirror holds per slot: "vectors" (float32), "xyz" (float64 unit 3-vector of the
 # position), "available" (bool), "cbits" (uint64), "cargo" (float64, 3).
 Columns = dict[str, npt.NDArray[Any]]
@@ -111,7 +112,16 @@ class Passed:
 
 
 class DeviceFleet:
-    """What ``recommend`` reads of every slot, on a CUDA device; see the module docstring."""
+    """What ``recommend`` reads of every slot, on a CUDA device; see the module docstring.
+
+    Two passes answer a batch. The *top pass* keeps each order's best ``K`` eligible drivers
+    surely inside its circle (``K`` at least twice its k) with, ahead of them, the drivers
+    near its edge; its fixed shapes (batches padded to a power of two, the mirror's capacity)
+    let it run as one captured CUDA graph, so that a batch costs one launch and two copies,
+    not dozens of kernel launches from Python. An order is done there unless its survivors
+    do not fit in ``K`` (near-ties); those orders go through the *dense pass*, which returns
+    every survivor, however many.
+    """
 
     def __init__(self, dim: int, device: str, unit_tolerance: float, cos_band: float) -> None:
         reason = why_no_device(device)
@@ -119,14 +129,36 @@ class DeviceFleet:
             raise RuntimeError(f"no device fleet on {device}: {reason}")
         self._torch: Any = importlib.import_module("torch")
         self.dim, self.device = dim, self._torch.device(device)
-        n = dim + 2
-        self._gamma = n * _EPS32 / (1.0 - n * _EPS32)
         self._norm_max = 1.0 + unit_tolerance
         self._band = cos_band
         self._rows = 0  # slots mirrored
         self._tensors: dict[str, Any] = {}
         self._stale: set[int] | None = None  # None: everything
         self._vectors_stale: set[int] | None = None
+        self._steps: dict[tuple[int, int], _TopStep] = {}  # (batch, K) -> its top pass
+        # One memory pool for every captured pass: they run one at a time, on one stream.
+        cuda = self.device.type == "cuda"
+        self.graph_pool: Any = self._torch.cuda.graph_pool_handle() if cuda else None
+        self.dense_orders = 0  # orders the dense pass answered (near-ties)
+
+    def error(self, query: npt.NDArray[np.float32]) -> float:
+        """A bound on |device score - exact score| for ``query`` and any unit driver vector
+        x (||x|| <= 1 + the table's tolerance), whatever the device's summation order.
+
+        Both vectors are rounded to float16 (u16 = 2**-11 relative, or 2**-25 absolute
+        where a component is subnormal): the products of the rounded vectors differ from the
+        real ones by at most (2 u16 + u16**2) ||q|| ||x|| + 2**-25 (1 + u16) sqrt(d) (||q|| +
+        ||x||) + d 2**-50 (Cauchy-Schwarz). Products of float16 numbers are exact in float32;
+        their sum is accumulated in float32, within gamma(d) * ||q|| ||x|| (1 + u16)**2, and
+        the bound takes u = 2**-20 for that sum instead of float32's 2**-24, so that tensor
+        cores that truncate, or align a block of products before adding, stay inside it.
+        """
+        u16, tiny, d = 2.0**-11, 2.0**-25, self.dim
+        qn = math.sqrt(float(np.dot(query.astype(np.float64), query.astype(np.float64))))
+        xn = self._norm_max
+        rounding = (2 * u16 + u16 * u16) * qn * xn + tiny * (1 + u16) * math.sqrt(d) * (qn + xn)
+        gamma = (d + 2) * _U_SUM / (1.0 - (d + 2) * _U_SUM)
+        return (rounding + d * tiny * tiny + gamma * qn * xn * (1 + u16) ** 2) * (1.0 + 1e-6)
 
     def touch(self, slots: npt.ArrayLike, *, vectors: bool = False) -> None:
         """Slots whose columns (and, with ``vectors``, vectors) changed since the last batch."""
@@ -142,17 +174,18 @@ class DeviceFleet:
     def sync(self, n: int, read: Callable[[npt.NDArray[np.int64], bool], Columns]) -> None:
         """Bring the mirror up to date for ``n`` slots; ``read(slots, with_vectors)`` gives
         the host values of those slots (``Columns``; "vectors" only ``with_vectors``)."""
-        torch = self._torch
+        torch, dev = self._torch, self.device
         if n > self._capacity():
             self.touch_all()
         if self._stale is None:
-            cap = max(n, 2 * self._capacity(), 1024)
+            cap = -(-max(n, 2 * self._capacity(), 1024) // _BLOCK) * _BLOCK
+            self._steps.clear()  # their graphs read the tensors replaced here
             self._tensors = {
-                "vectors": torch.zeros((cap, self.dim), dtype=torch.float32, device=self.device),
-                "xyz": torch.zeros((cap, 3), dtype=torch.float64, device=self.device),
-                "available": torch.zeros(cap, dtype=torch.bool, device=self.device),
-                "cbits": torch.zeros(cap, dtype=torch.int64, device=self.device),
-                "cargo": torch.zeros((cap, 3), dtype=torch.float64, device=self.device),
+                "vectors": torch.zeros((cap, self.dim), dtype=torch.float16, device=dev),
+                # NaN where no available driver is (nothing compares true with it)
+                "xyz": torch.full((cap, 3), np.nan, dtype=torch.float64, device=dev),
+                "cbits": torch.zeros(cap, dtype=torch.int64, device=dev),
+                "cargo": torch.zeros((3, cap), dtype=torch.float64, device=dev),  # by column
             }
             for start in range(0, n, 65536):
                 part = np.arange(start, min(n, start + 65536))
@@ -165,53 +198,109 @@ class DeviceFleet:
             for slots, vectors in ((stale[~with_vectors], False), (stale[with_vectors], True)):
                 if slots.size:
                     self._put(slots, read(slots, vectors))
+            if n < self._rows:  # slots dropped (a delete moves the last slot into its place)
+                self._tensors["xyz"][n : self._rows] = np.nan
         self._rows = n
         self._stale, self._vectors_stale = set(), set()
 
     def first_pass(self, queries: list[Query]) -> list[Passed]:
-        """The batch's first pass (module docstring); one answer per query, in order.
-
-        Laid out (queries, slots), so that each query's row is contiguous for its top-k; a
-        few dozen kernels for the whole batch, and one copy back of what survived."""
-        torch, t = self._torch, self._tensors
-        n, m = self._rows, len(queries)
-        if n == 0:
+        """The batch's first pass (module and class docstrings); one answer per query, in
+        order."""
+        if self._rows == 0:
             empty = np.zeros(0, dtype=np.int64)
             return [Passed(0, empty, empty) for _ in queries]
-        dev = self.device
+        out: list[Passed | None] = []
+        for start in range(0, len(queries), _MAX_BATCH):
+            out += self._top_pass(queries[start : start + _MAX_BATCH])
+        redo = [i for i, p in enumerate(out) if p is None]
+        if redo:
+            self.dense_orders += len(redo)
+            for i, passed in zip(redo, self._dense_pass([queries[i] for i in redo]), strict=True):
+                out[i] = passed
+        return [p for p in out if p is not None]
+
+    # -- the two passes ------------------------------------------------------------------------
+
+    def _top_pass(self, queries: list[Query]) -> list[Passed | None]:
+        """Each order's ``K`` best sure candidates; None where the dense pass must answer."""
+        size = _bucket(len(queries), 1)
+        k_top = _bucket(2 * max(x.k for x in queries), _LEAST_K)
+        if k_top > self._capacity():
+            return [None] * len(queries)
+        step = self._steps.get((size, k_top))
+        if step is None:
+            step = self._steps[(size, k_top)] = _TopStep(self, size, k_top)
+        values, slots, inside, near = step.run(queries)
+        out: list[Passed | None] = []
+        for j, x in enumerate(queries):
+            # Ahead: the drivers near the edge (inf: eligible, float32 max: not), then the
+            # eligible drivers surely inside by score, then -inf.
+            nb = int(near[j])
+            if nb + x.k > k_top or (nb and values[j, nb - 1] < _NOT_ELIGIBLE):
+                out.append(None)  # not all of them fit
+                continue
+            real = values[j, nb:]
+            bar = self._bar32(float(real[x.k - 1]), x.vector)
+            keep = (real >= bar) & (real > -np.inf)
+            if keep[-1]:  # the survivors may not end within K
+                out.append(None)
+                continue
+            band = slots[j, :nb]
+            kept = np.concatenate([slots[j, nb:][keep], band[values[j, :nb] == np.inf]])
+            out.append(Passed(int(inside[j]), np.sort(band), np.sort(kept)))
+        return out
+
+    def top_tensors(self, inputs: Any, k_top: int) -> Any:
+        """The top pass over the whole mirror, on device tensors only (so that it can be
+        captured): ``inputs`` is the batch as ``_TopStep`` packs it; returns one float64 row
+        per order: K values, K slots, the count inside, the count near the edge."""
+        torch, t, half = self._torch, self._tensors, (self.dim + 1) // 2
+        q = inputs[:, :half].view(torch.float32)[:, : self.dim]
+        f = inputs[:, half : half + 8].view(torch.float64)  # centre, hi, lo, cargo need
+        mask = inputs[:, half + 8 : half + 9]
+        dots = f[:, :3] @ t["xyz"].T  # cos(d / R), float64; NaN where no available driver
+        inside = dots >= f[:, 3:4]
+        near = (dots > f[:, 4:5]) & ~inside
+        del dots
+        eligible = (t["cbits"][None] & mask) == mask
+        for i in range(3):
+            eligible &= t["cargo"][i][None] >= f[:, 5 + i : 6 + i]
+        ranked = torch.where(inside & eligible, self._scores(q), -torch.inf)
+        flags = torch.where(eligible, torch.inf, _NOT_ELIGIBLE).to(torch.float32)
+        ranked = torch.where(near, flags, ranked)
+        values, slots = _top(torch, ranked, k_top)
+        counts = torch.stack([inside.sum(dim=1), near.sum(dim=1)], dim=1)
+        return torch.cat([values.double(), slots.double(), counts.double()], dim=1)
+
+    def _dense_pass(self, queries: list[Query]) -> list[Passed]:
+        """Every survivor of each order, whatever their number: masks over the whole fleet,
+        a top-k to set each order's bar, and one copy back of what passed."""
+        torch, t = self._torch, self._tensors
+        n, m, dev = self._rows, len(queries), self.device
         q = torch.from_numpy(np.stack([x.vector for x in queries])).to(dev)
         centres = torch.from_numpy(np.stack([x.centre for x in queries])).to(dev)
         limits = torch.tensor([[x.limit] for x in queries], dtype=torch.float64, device=dev)
         masks = torch.tensor([[_signed(x.mask)] for x in queries], dtype=torch.int64, device=dev)
         no_cargo = (-np.inf, -np.inf, -np.inf)
         need = torch.tensor([x.cargo or no_cargo for x in queries], dtype=torch.float64, device=dev)
-        precision = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision("highest")  # no TF32: the bound assumes float32
-        try:
-            scores = q @ t["vectors"][:n].T  # (m, n)
-        finally:
-            torch.set_float32_matmul_precision(precision)
-        off = centres @ t["xyz"][:n].T - limits  # cos(d / R) - cos(r / R), float64
-        available = t["available"][None, :n]
-        inside = (off >= self._band) & available
-        band = (off.abs() < self._band) & available
+        with _exact_products(torch):
+            scores = self._scores(q)[:, :n]
+        off = centres @ t["xyz"][:n].T - limits  # cos(d / R) - cos(r / R); NaN: unavailable
+        inside = off >= self._band
+        band = off.abs() < self._band
         del off
-        cargo = t["cargo"][:n]
         eligible = (t["cbits"][None, :n] & masks) == masks
         for i in range(3):
-            eligible &= cargo[None, :, i] >= need[:, i, None]
+            eligible &= t["cargo"][i][None, :n] >= need[:, i : i + 1]
         sure = inside & eligible
         k_max = min(max(x.k for x in queries), n)
-        best = torch.where(sure, scores, -torch.inf).topk(k_max, dim=1).values  # (m, k_max)
-        ks = torch.tensor([[min(x.k, k_max) - 1] for x in queries], device=dev)
-        kth = best.gather(1, ks)  # (m, 1)
-        qnorm = torch.linalg.vector_norm(q.double(), dim=1, keepdim=True) * (1.0 + 1e-9)
-        eps = 2.0 * self._gamma * self._norm_max * qnorm * (1.0 + 1e-9)
-        # The bar in float64, rounded down to float32: comparing float32 scores with it
-        # keeps everyone the float64 comparison keeps.
-        bar = torch.where(torch.isfinite(kth), kth.double() - 2.0 * eps, -torch.inf)
-        bar32 = torch.nextafter(bar.float(), torch.tensor(-torch.inf, device=dev))
-        keep = (sure & (scores >= bar32)) | (band & eligible)
+        best = torch.where(sure, scores, -torch.inf).topk(k_max, dim=1).values.cpu().numpy()
+        bars = [
+            self._bar32(float(best[j, min(x.k, k_max) - 1]), x.vector)
+            for j, x in enumerate(queries)
+        ]
+        bar = torch.tensor(np.array(bars, dtype=np.float32)[:, None], device=dev)
+        keep = (sure & (scores >= bar)) | (band & eligible)
         counts = inside.sum(dim=1)
         kept, near = torch.nonzero(keep), torch.nonzero(band)
         counts, kept, near = counts.cpu().numpy(), kept.cpu().numpy(), near.cpu().numpy()
@@ -226,16 +315,156 @@ class DeviceFleet:
             for j in range(m)
         ]
 
+    def scores(self, queries: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        """The device scores of every mirrored slot for each query (rows): what both passes
+        compare, within ``error`` of the exact ones."""
+        torch = self._torch
+        with _exact_products(torch):
+            out = self._scores(torch.from_numpy(np.ascontiguousarray(queries)).to(self.device))
+        return np.asarray(out[:, : self._rows].cpu().numpy())
+
+    def _scores(self, q: Any) -> Any:
+        """(batch, capacity) float32 device scores of every slot: float16 products summed in
+        float32 (CUDA: one GEMM with float32 output; elsewhere the same in float32)."""
+        torch, vectors = self._torch, self._tensors["vectors"]
+        if self.device.type == "cuda":
+            return torch.mm(q.half(), vectors.T, out_dtype=torch.float32)
+        return q.half().float() @ vectors.float().T
+
+    def _bar32(self, kth: float, vector: npt.NDArray[np.float32]) -> np.float32:
+        """The score a driver must reach (as float32 on the device) to be kept, given the
+        k-th best device score: k-th minus twice ``error``, in float64 and then rounded down
+        to float32, so that comparing float32 scores with it keeps everyone the float64
+        comparison keeps."""
+        if not np.isfinite(kth):
+            return np.float32(-np.inf)
+        return np.nextafter(np.float32(kth - 2.0 * self.error(vector)), np.float32(-np.inf))
+
+    # -- the mirror ----------------------------------------------------------------------------
+
     def _capacity(self) -> int:
-        return 0 if not self._tensors else int(self._tensors["available"].shape[0])
+        return 0 if not self._tensors else int(self._tensors["cbits"].shape[0])
 
     def _put(self, slots: npt.NDArray[np.int64], values: Columns) -> None:
         torch, t = self._torch, self._tensors
         idx = torch.from_numpy(slots).to(self.device)
+        if "available" in values:  # folded into xyz: NaN where no available driver is
+            values = dict(values)
+            xyz = np.array(values.pop("xyz"), dtype=np.float64)
+            xyz[~values.pop("available")] = np.nan
+            values["xyz"] = xyz
         for name, a in values.items():
             if name == "cbits":  # the same bits as int64: torch has no uint64 bitwise and
                 a = a.view(np.int64)
-            t[name][idx] = torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+            host = torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+            if name == "cargo":
+                t[name][:, idx] = host.T
+            else:
+                t[name][idx] = host.to(t[name].dtype)
+
+
+class _TopStep:
+    """The top pass for batches of up to ``size`` orders and ``k_top`` kept each: its input
+    and output buffers (pinned host memory on CUDA), and on CUDA the pass captured once as
+    a graph over the mirror's tensors (dropped with them, ``DeviceFleet.sync``)."""
+
+    def __init__(self, fleet: DeviceFleet, size: int, k_top: int) -> None:
+        torch = fleet._torch
+        self.fleet, self.size, self.k_top = fleet, size, k_top
+        self.width = (fleet.dim + 1) // 2 + 9  # int64 words: vector, centre, hi, lo, need, mask
+        cuda = fleet.device.type == "cuda"
+        self.host_in = torch.zeros((size, self.width), dtype=torch.int64, pin_memory=cuda)
+        self.host_out = torch.zeros((size, 2 * k_top + 2), dtype=torch.float64, pin_memory=cuda)
+        self.inputs = torch.zeros((size, self.width), dtype=torch.int64, device=fleet.device)
+        self.graph: Any = None
+        if cuda:
+            side = torch.cuda.Stream(fleet.device)
+            side.wait_stream(torch.cuda.current_stream(fleet.device))
+            with torch.cuda.stream(side), _exact_products(torch):
+                fleet.top_tensors(self.inputs, k_top)  # cuBLAS and the allocator warmed up
+            torch.cuda.current_stream(fleet.device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=fleet.graph_pool), _exact_products(torch):
+                self.outputs = fleet.top_tensors(self.inputs, k_top)
+
+    def run(self, queries: list[Query]) -> tuple[npt.NDArray[Any], ...]:
+        """Per order: its K values (float32), their slots, the counts inside and near."""
+        torch, fleet, k_top = self.fleet._torch, self.fleet, self.k_top
+        host = self.host_in.numpy()
+        half, m = (fleet.dim + 1) // 2, len(queries)
+        words = host[:, half:].view(np.float64)
+        host[:, :half].view(np.float32)[:m, : fleet.dim] = np.stack([x.vector for x in queries])
+        limits = np.array([x.limit for x in queries])
+        words[:m, :3] = np.stack([x.centre for x in queries])
+        words[:m, 3] = limits + fleet._band  # at least this: surely inside
+        words[:m, 4] = limits - fleet._band  # above this and not inside: near the edge
+        words[:m, 5:8] = [x.cargo or (-np.inf, -np.inf, -np.inf) for x in queries]
+        host[:m, half + 8] = [_signed(x.mask) for x in queries]
+        host[m:] = 0
+        words[m:, 3:5] = np.inf  # padding: nobody inside, nobody near
+        self.inputs.copy_(self.host_in, non_blocking=True)
+        if self.graph is not None:
+            self.graph.replay()
+            outputs = self.outputs
+        else:
+            with _exact_products(torch):
+                outputs = fleet.top_tensors(self.inputs, k_top)
+        self.host_out.copy_(outputs, non_blocking=True)
+        if self.graph is not None:
+            torch.cuda.current_stream(fleet.device).synchronize()
+        out = self.host_out.numpy()[:m]
+        return (
+            out[:, :k_top].astype(np.float32),
+            out[:, k_top : 2 * k_top].astype(np.int64),
+            out[:, 2 * k_top],
+            out[:, 2 * k_top + 1],
+        )
+
+
+_MAX_BATCH = 64  # orders in one top pass; larger batches take several
+_LEAST_K = 64  # K at least this (near-ties of real embeddings fit)
+_BLOCK = 1024  # the mirror's capacity is a multiple of this (``_top``'s blocks)
+_NOT_ELIGIBLE = float(np.finfo(np.float32).max)  # a driver near the edge, not eligible
+_U_SUM = 2.0**-20  # the unit roundoff ``DeviceFleet.error`` allows the device's float32 sums
+
+
+def _top(torch: Any, ranked: Any, k: int) -> tuple[Any, Any]:
+    """Each row's k largest values and their columns, as ``topk`` but in two short steps
+    when the rows are long: the k blocks of ``_BLOCK`` columns with the largest maxima hold
+    every value above the k-th largest (any other block's values are at most the k-th
+    largest maximum, and the k chosen blocks hold k values at least that), then a top-k
+    of those k blocks."""
+    rows, cols = ranked.shape
+    if cols < 4 * k * _BLOCK:
+        return ranked.topk(k, dim=1)
+    blocks = ranked.view(rows, cols // _BLOCK, _BLOCK)
+    chosen = blocks.amax(dim=2).topk(k, dim=1).indices  # (rows, k)
+    picked = blocks.gather(1, chosen[:, :, None].expand(rows, k, _BLOCK))
+    values, at = picked.reshape(rows, k * _BLOCK).topk(k, dim=1)
+    return values, chosen.gather(1, at // _BLOCK) * _BLOCK + at % _BLOCK
+
+
+def _bucket(n: int, least: int) -> int:
+    """The power of two at least ``n`` and ``least``: the shapes graphs are captured for."""
+    return max(least, 1 << max(0, n - 1).bit_length())
+
+
+@contextlib.contextmanager
+def _exact_products(torch: Any) -> Iterator[None]:
+    """No TF32 and no float16 partial sums inside: ``DeviceFleet.error`` assumes float32
+    accumulation."""
+    cuda = torch.backends.cuda.matmul
+    precision, reduced = (
+        torch.get_float32_matmul_precision(),
+        cuda.allow_fp16_reduced_precision_reduction,
+    )
+    torch.set_float32_matmul_precision("highest")
+    cuda.allow_fp16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
+        cuda.allow_fp16_reduced_precision_reduction = reduced
 
 
 def _signed(mask: int) -> int:

@@ -35,6 +35,9 @@ Distances = npt.NDArray[np.float64]
 # an int8 first pass keeps only those that may reach the top k: it reads a quarter of the
 # bytes, in the arena's contiguous runs, where exact scoring reads scattered float32 rows.
 _EXACT_UP_TO = 512
+# ``best_scored`` sorts up to this many candidates whole (the same order ``top`` gives: the k
+# smallest by (-similarity, distance, driver_id, vehicle_id)) instead of selecting first.
+_SORT_UP_TO = 64
 
 
 @dataclass(frozen=True)
@@ -128,7 +131,27 @@ def best_of(
     # flat index by FAISS's own kernel: bit-identical to what a FAISS search of the whole
     # index reports for that driver (numpy's BLAS would round a row differently depending
     # on its place in the batch).
-    sims = inner_products(vectors, q, slots)
+    return best_scored(slots, inner_products(vectors, q, slots), distances, k, ids, vehicles)
+
+
+def best_scored(
+    slots: Slots,
+    sims: Vectors,
+    distances: Callable[[npt.NDArray[np.intp]], Distances],
+    k: int,
+    ids: Sequence[str],
+    vehicles: Sequence[str],
+) -> list[Candidate]:
+    """``best_of`` with the exact scores ``sims`` of ``slots`` already computed."""
+    if slots.size <= _SORT_UP_TO:  # few (a device first pass's survivors): sort them all
+        keys = zip(
+            (-sims).tolist(),
+            distances(np.arange(slots.size)).tolist(),
+            [ids[s] for s in slots.tolist()],
+            [vehicles[s] for s in slots.tolist()],
+            strict=True,
+        )
+        return [Candidate(d, v, -neg_sim, km) for neg_sim, km, d, v in sorted(keys)[:k]]
     chosen = np.arange(slots.size)
     if slots.size > k:  # only the k best and those tied with the k-th can be chosen
         chosen = np.flatnonzero(sims >= -np.partition(-sims, k - 1)[k - 1])
@@ -181,27 +204,40 @@ def top(
 
 
 def inner_products(rows: Vectors, query: Vectors, slots: Slots) -> Vectors:
-    """rows[slots] @ query in float32 with FAISS's kernel, reading the rows in place.
+    """rows[slots] @ query in float32 with FAISS's kernel, reading the rows in place."""
+    return inner_products_many(rows, [query], [slots])[0]
 
-    One OpenMP thread: the kernel opens a parallel region over its one query, and on a busy
+
+def inner_products_many(
+    rows: Vectors, queries: Sequence[Vectors], slots: Sequence[Slots]
+) -> list[Vectors]:
+    """rows[slots[i]] @ queries[i] for each i, in one call of FAISS's kernel (each product
+    the same bits as alone: the kernel computes every pair on its own).
+
+    One OpenMP thread: the kernel opens a parallel region over its queries, and on a busy
     2-core machine waiting for the second thread to wake up stalled calls for 10-150 ms.
     (``omp_set_num_threads`` applies to the calling thread only; restored after.)
     """
-    slots = np.ascontiguousarray(slots, dtype=np.int64)
-    out = np.empty(len(slots), dtype=np.float32)
-    if len(slots):
-        threads = faiss.omp_get_max_threads()
-        faiss.omp_set_num_threads(1)
-        try:
-            faiss.fvec_inner_products_by_idx(  # type: ignore[attr-defined]  # not in the stubs
-                faiss.swig_ptr(out),
-                faiss.swig_ptr(query),
-                faiss.swig_ptr(rows),
-                faiss.swig_ptr(slots),
-                len(query),
-                1,
-                len(slots),
-            )
-        finally:
-            faiss.omp_set_num_threads(threads)
-    return out
+    width = max((len(s) for s in slots), default=0)
+    if width == 0:
+        return [np.zeros(0, dtype=np.float32) for _ in slots]
+    ids = np.full((len(slots), width), -1, dtype=np.int64)  # -1: no product (FAISS: -inf)
+    for i, s in enumerate(slots):
+        ids[i, : len(s)] = s
+    x = np.ascontiguousarray(np.stack(queries), dtype=np.float32)
+    out = np.empty((len(slots), width), dtype=np.float32)
+    threads = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
+    try:
+        faiss.fvec_inner_products_by_idx(  # type: ignore[attr-defined]  # not in the stubs
+            faiss.swig_ptr(out),
+            faiss.swig_ptr(x),
+            faiss.swig_ptr(rows),
+            faiss.swig_ptr(ids),
+            x.shape[1],
+            len(slots),
+            width,
+        )
+    finally:
+        faiss.omp_set_num_threads(threads)
+    return [out[i, : len(s)] for i, s in enumerate(slots)]

@@ -47,7 +47,7 @@ import math
 import threading
 import time
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -500,16 +500,18 @@ class FleetTable:
         if len(orders) != len(queries):
             raise ValueError(f"{len(orders)} orders but {len(queries)} query vectors")
         names = [check_constraints(o.constraints) for o in orders]
-        qs = [self._check_query(q) for q in queries]
+        qs = self._check_queries(queries)
         if self._device is None:
             return [self.recommend(o, q) for o, q in zip(orders, qs, strict=True)]
         with self._lock:
             self._device.sync(len(self), self._device_columns)
             here = [i for i, nm in enumerate(names) if set(nm) <= set(self._constraints)]
-            batch = [self._device_query(orders[i], names[i], qs[i]) for i in here]
+            mine, their_qs = [orders[i] for i in here], [qs[i] for i in here]
+            batch = self._device_queries(mine, [names[i] for i in here], their_qs)
+            done = self._finish_on_device(mine, their_qs, self._device.first_pass(batch))
             out: list[Recommendation | None] = [None] * len(orders)
-            for i, passed in zip(here, self._device.first_pass(batch), strict=True):
-                out[i] = self._finish_on_device(orders[i], qs[i], passed)
+            for i, answer in zip(here, done, strict=True):
+                out[i] = answer
             return [self.recommend(orders[i], qs[i]) if r is None else r for i, r in enumerate(out)]
 
     def records(
@@ -672,39 +674,55 @@ class FleetTable:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _device_query(self, order: Order, names: list[str], q: Vectors) -> gpu_module.Query:
-        lat, lng = order.pickup.lat, order.pickup.lng
-        cargo = order.cargo
-        return gpu_module.Query(
-            centre=unit_vectors(np.array([lat]), np.array([lng]))[0],
-            limit=math.cos(order.radius_km / EARTH_RADIUS_KM),
-            mask=sum(1 << self._constraints.index(n) for n in names),
-            cargo=None if cargo is None else (cargo.weight_kg, cargo.volume_m3, cargo.height_m),
-            vector=q,
-            k=order.k,
-        )
+    def _device_queries(
+        self, orders: list[Order], names: list[list[str]], qs: list[Vectors]
+    ) -> list[gpu_module.Query]:
+        lats = np.array([o.pickup.lat for o in orders], dtype=np.float64)
+        lngs = np.array([o.pickup.lng for o in orders], dtype=np.float64)
+        centres = unit_vectors(lats, lngs)
+        return [
+            gpu_module.Query(
+                centre=centres[j],
+                limit=math.cos(order.radius_km / EARTH_RADIUS_KM),
+                mask=sum(1 << self._constraints.index(n) for n in names[j]),
+                cargo=None
+                if order.cargo is None
+                else (order.cargo.weight_kg, order.cargo.volume_m3, order.cargo.height_m),
+                vector=qs[j],
+                k=order.k,
+            )
+            for j, order in enumerate(orders)
+        ]
 
     def _finish_on_device(
-        self, order: Order, q: Vectors, passed: gpu_module.Passed
-    ) -> Recommendation:
-        """The answer from a first pass on the device: the haversine test for the drivers
-        near the circle, then exact scores and distances on the CPU as ``recommend``."""
-        lat, lng, radius = order.pickup.lat, order.pickup.lng, order.radius_km
-        cols, band, slots = self._cols, passed.band, passed.slots
-        out = band[:0]
-        if band.size:  # rare: a driver within ~1e-12 of the circle in cos(d / R)
-            out = band[haversine_km_many(lat, lng, cols.lat[band], cols.lng[band]) > radius]
-            slots = slots[~np.isin(slots, out)]
-        best = ranking.best_of(
-            self._rows(),
-            q,
-            slots,
-            lambda i: haversine_km_many(lat, lng, cols.lat[slots[i]], cols.lng[slots[i]]),
-            order.k,
-            self._ids,
-            self._vehicles,
-        )
-        return Recommendation(best, passed.inside + band.size - out.size)
+        self, orders: list[Order], qs: list[Vectors], passed: list[gpu_module.Passed]
+    ) -> list[Recommendation]:
+        """The answers from a first pass on the device: the haversine test for the drivers
+        near each circle, then exact scores (one FAISS call for the batch) and distances on
+        the CPU as ``recommend``."""
+        cols, kept, outside = self._cols, [], []  # outside: how many near the edge are out
+        for order, p in zip(orders, passed, strict=True):
+            slots, out = p.slots, p.band[:0]
+            if p.band.size:  # rare: a driver within ~1e-12 of the circle in cos(d / R)
+                lat, lng = order.pickup.lat, order.pickup.lng
+                far = haversine_km_many(lat, lng, cols.lat[p.band], cols.lng[p.band])
+                out = p.band[far > order.radius_km]
+                slots = slots[~np.isin(slots, out)]
+            kept.append(slots)
+            outside.append(out.size)
+        sims = ranking.inner_products_many(self._rows(), qs, kept)
+        answers = []
+        for order, p, slots, s, gone in zip(orders, passed, kept, sims, outside, strict=True):
+            distances = self._distances_from(order.pickup.lat, order.pickup.lng, slots)
+            best = ranking.best_scored(slots, s, distances, order.k, self._ids, self._vehicles)
+            answers.append(Recommendation(best, p.inside + p.band.size - gone))
+        return answers
+
+    def _distances_from(
+        self, lat: float, lng: float, slots: Slots
+    ) -> Callable[[npt.NDArray[np.intp]], ranking.Distances]:
+        cols = self._cols
+        return lambda i: haversine_km_many(lat, lng, cols.lat[slots[i]], cols.lng[slots[i]])
 
     def _device_columns(self, slots: Slots, with_vectors: bool) -> gpu_module.Columns:
         cols = self._cols
@@ -746,6 +764,14 @@ class FleetTable:
         if bad.size:
             raise VectorError(f"vectors must be L2-normalised; row {int(bad[0])} is not")
         return arr
+
+    def _check_queries(self, queries: Sequence[npt.ArrayLike]) -> list[Vectors]:
+        """``_check_query`` of each, checked together (a batch of recommends)."""
+        try:
+            stacked = np.stack([np.asarray(q, dtype=np.float32) for q in queries])
+            return list(self._check_vectors(stacked, len(queries)))
+        except (VectorError, ValueError, TypeError):
+            return [self._check_query(q) for q in queries]  # the error names the bad one
 
     def _check_query(self, query: npt.ArrayLike) -> Vectors:
         try:

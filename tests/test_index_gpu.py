@@ -175,6 +175,11 @@ def test_a_dense_fleet_through_the_device_first_pass(device: str) -> None:
                 recs[step * 10 : step * 10 + 10], vecs[::-1][step * 10 : step * 10 + 10]
             )
             table.delete_driver(f"D{step + 100:03d}")
+    # Exact ties beyond K sent some orders through the dense pass, the others were answered
+    # by the top pass: both checked above.
+    device_fleet = on_device._device
+    assert device_fleet is not None
+    assert 0 < device_fleet.dense_orders < 18
 
 
 def test_recommend_many_without_a_device_is_recommend_each() -> None:
@@ -218,3 +223,75 @@ def test_drivers_on_the_circle_are_decided_by_haversine_on_the_device(device: st
         assert rec.driver_id in {c.driver_id for c in on.candidates}
         assert rec.driver_id not in {c.driver_id for c in beyond.candidates}
         assert on.considered == beyond.considered + 1
+    device_fleet = on_device._device
+    assert device_fleet is not None
+    assert device_fleet.dense_orders == 0  # the drivers on the circle came from the top pass
+
+
+def _unit_rows(rows: np.ndarray) -> np.ndarray:
+    return (rows / np.linalg.norm(rows, axis=1, keepdims=True)).astype(np.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_device_scores_stay_within_their_error_bound(device: str) -> None:
+    """The first pass keeps a driver unless its device score is more than twice
+    ``DeviceFleet.error`` below the k-th best, so the bound must hold: against FAISS's float32
+    scores, for gaussian vectors, vectors with components float16 cannot hold (subnormal or
+    flushed), one dominant component, near-duplicates, and the table's largest norm."""
+    device = device_or_skip(device)
+    from indexes import ranking
+    from indexes.table import _UNIT_TOLERANCE
+
+    dim, rng = 384, np.random.default_rng(5)
+    gaussian = _unit_rows(rng.normal(size=(600, dim)))
+    tiny = gaussian * np.where(rng.random((600, dim)) < 0.9, 1e-5, 1.0)
+    peaked = rng.normal(size=(600, dim)) * 1e-3
+    peaked[:, 0] = 1.0
+    twins = np.repeat(gaussian[:5], 120, axis=0) + rng.normal(size=(600, dim)) * 1e-6
+    rows = np.concatenate([gaussian, _unit_rows(tiny), _unit_rows(peaked), _unit_rows(twins)])
+    rows[-1] *= np.float32(1.0 + _UNIT_TOLERANCE)  # the longest row the table accepts
+    fleet = gpu.DeviceFleet(dim, device, _UNIT_TOLERANCE, 1e-12)
+    n = len(rows)
+
+    def read(slots: np.ndarray, with_vectors: bool) -> gpu.Columns:
+        cols: gpu.Columns = {
+            "xyz": np.tile([1.0, 0.0, 0.0], (len(slots), 1)),
+            "available": np.ones(len(slots), dtype=bool),
+            "cbits": np.zeros(len(slots), dtype=np.uint64),
+            "cargo": np.zeros((len(slots), 3)),
+        }
+        if with_vectors:
+            cols["vectors"] = rows[slots]
+        return cols
+
+    fleet.sync(n, read)
+    queries = np.concatenate([rows[::97], _unit_rows(rng.normal(size=(8, dim)))])
+    device_scores = fleet.scores(queries)
+    worst = 0.0
+    for q, got in zip(queries, device_scores, strict=True):
+        exact = ranking.inner_products(rows, q, np.arange(n))
+        gap = float(np.max(np.abs(got.astype(np.float64) - exact)))
+        assert gap <= fleet.error(q)
+        worst = max(worst, gap / fleet.error(q))
+    assert worst > 0.01  # the scores are really rounded: the test can see an error
+
+
+def test_the_two_step_top_k_returns_the_top_k() -> None:
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(9)
+    k = 64
+    cols = 4 * k * gpu._BLOCK
+    # Few distinct values (ties everywhere), -inf (not eligible), inf and float32 max (near
+    # the circle's edge), clustered in a few blocks.
+    ranked = rng.integers(0, 50, size=(3, cols)).astype(np.float32) / 7
+    ranked[rng.random((3, cols)) < 0.5] = -np.inf
+    ranked[0, 5000:5030] = np.inf
+    ranked[1, 100:110] = np.finfo(np.float32).max
+    ranked[2, :] = -np.inf
+    ranked[2, 77] = 3.0
+    got_values, got_at = gpu._top(torch, torch.from_numpy(ranked), k)
+    want = torch.from_numpy(ranked).topk(k, dim=1).values.numpy()
+    assert np.array_equal(got_values.numpy(), want)
+    at = got_at.numpy()
+    assert np.array_equal(np.take_along_axis(ranked, at, axis=1), want)
+    assert all(len(set(row.tolist())) == k for row in at)  # k distinct columns per row
