@@ -4,19 +4,22 @@
 The fleet is ``bench.index_bench``'s (synthetic drivers around six cities, a random unit vector
 each, the same orders: pickups at random drivers, k=10, every other one with a constraint and a
 cargo), built once, saved to ``--snapshot`` and loaded from there by every run (rows in
-grid-cell order), so that two checkouts can be timed on the same fleet: run the bench under
-each checkout's ``indexes`` (``PYTHONPATH``) with ``--label``, in one command. Each batch's
-``recommend_many`` is timed whole and by phase, read through the device object's own methods:
-``sync`` (the device mirror brought up to date), ``first pass`` (the device synchronised after
-it) and ``finish`` (the rest: each order's exact rescoring on the CPU), and how many orders
-the first pass sent to its dense pass (``indexes.gpu``: near-ties beyond its top K).
-``--moves N [N ...]``: N position updates (jitters of ~100 m) between batches, so that every
-batch syncs them (0: the fleet stands still). ``--profile``: the torch profiler's kernel
-table for 10 batches. Prints one table row per radius and moves. Not a test.
+grid-cell order), so that two versions can be timed on the same fleet in one command. Each
+batch's ``recommend_many`` is timed whole and by phase, read through the device object's own
+methods: ``sync`` (the device mirror brought up to date), ``first pass`` (the device
+synchronised after it) and ``finish`` (the rest: each order's exact rescoring on the CPU), and
+how many orders the first pass sent to its dense pass (``indexes.gpu``: near-ties beyond its
+top K). ``--moves N [N ...]``: N position updates (jitters of ~100 m) between batches, so
+that every batch syncs them (0: the fleet stands still). ``--torch-ops``: the top pass in
+torch operations where its Triton kernel (``indexes.rank_kernel``) would run. ``--profile``:
+the torch profiler's kernel table for 10 batches. Prints one table row per radius and moves.
+Not a test.
 
-    python3 -m bench.device_pass_bench --snapshot /tmp/fleet1m --label after
-    PYTHONPATH=.before:$PWD python3 -m bench.device_pass_bench --snapshot /tmp/fleet1m \
-        --label before
+    python3 -m bench.device_pass_bench --snapshot /tmp/fleet1m --label fused
+    python3 -m bench.device_pass_bench --snapshot /tmp/fleet1m --label torch-ops --torch-ops
+    # another checkout's indexes/ (e.g. git archive into OLD): the script by path, so that
+    # OLD comes first on the path
+    PYTHONPATH=OLD:$PWD python3 bench/device_pass_bench.py --snapshot /tmp/fleet1m --label old
 """
 
 from __future__ import annotations
@@ -152,12 +155,19 @@ def main() -> None:
         "--moves", type=int, nargs="+", default=[0], help="position updates between batches"
     )
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--torch-ops",
+        action="store_true",
+        help="the top pass in torch operations even where its Triton kernel is installed",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     t = time.perf_counter()
     if not (args.snapshot / "bench.npz").exists():
         build(args.drivers, args.dim, args.seed, args.snapshot)
     table = FleetTable.load(args.snapshot, args.dim, device=args.device)
+    if args.torch_ops:
+        table._device._kernel = None
     saved = np.load(args.snapshot / "bench.npz")
     pos, ids = saved["pos"], saved["ids"].tolist()
     print(

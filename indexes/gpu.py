@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ import numpy.typing as npt
 # What the mirror holds per slot: "vectors" (float32), "xyz" (float64 unit 3-vector of the
 # position), "available" (bool), "cbits" (uint64), "cargo" (float64, 3).
 Columns = dict[str, npt.NDArray[Any]]
+
+_log = logging.getLogger(__name__)
 
 # GPU k-selection handles k up to this; larger searches run on the CPU index.
 MAX_GPU_K = 2048
@@ -140,6 +143,8 @@ class DeviceFleet:
         cuda = self.device.type == "cuda"
         self.graph_pool: Any = self._torch.cuda.graph_pool_handle() if cuda else None
         self.dense_orders = 0  # orders the dense pass answered (near-ties)
+        # The top pass's masks in one Triton kernel where triton is installed (CUDA only).
+        self._kernel: Any = _rank_kernel() if cuda else None
 
     def error(self, query: npt.NDArray[np.float32]) -> float:
         """A bound on |device score - exact score| for ``query`` and any unit driver vector
@@ -183,7 +188,7 @@ class DeviceFleet:
             self._tensors = {
                 "vectors": torch.zeros((cap, self.dim), dtype=torch.float16, device=dev),
                 # NaN where no available driver is (nothing compares true with it)
-                "xyz": torch.full((cap, 3), np.nan, dtype=torch.float64, device=dev),
+                "xyz": torch.full((3, cap), np.nan, dtype=torch.float64, device=dev),  # by axis
                 "cbits": torch.zeros(cap, dtype=torch.int64, device=dev),
                 "cargo": torch.zeros((3, cap), dtype=torch.float64, device=dev),  # by column
             }
@@ -199,7 +204,7 @@ class DeviceFleet:
                 if slots.size:
                     self._put(slots, read(slots, vectors))
             if n < self._rows:  # slots dropped (a delete moves the last slot into its place)
-                self._tensors["xyz"][n : self._rows] = np.nan
+                self._tensors["xyz"][:, n : self._rows] = np.nan
         self._rows = n
         self._stale, self._vectors_stale = set(), set()
 
@@ -227,10 +232,15 @@ class DeviceFleet:
         k_top = _bucket(2 * max(x.k for x in queries), _LEAST_K)
         if k_top > self._capacity():
             return [None] * len(queries)
-        step = self._steps.get((size, k_top))
-        if step is None:
-            step = self._steps[(size, k_top)] = _TopStep(self, size, k_top)
-        values, slots, inside, near = step.run(queries)
+        try:
+            values, slots, inside, near = self._step(size, k_top).run(queries)
+        except Exception:  # the kernel does not build or run here: torch operations instead
+            if self._kernel is None:
+                raise
+            _log.warning("the top pass's Triton kernel failed; torch runs it", exc_info=True)
+            self._kernel = None
+            self._steps.clear()
+            values, slots, inside, near = self._step(size, k_top).run(queries)
         out: list[Passed | None] = []
         for j, x in enumerate(queries):
             # Ahead: the drivers near the edge (inf: eligible, float32 max: not), then the
@@ -250,6 +260,12 @@ class DeviceFleet:
             out.append(Passed(int(inside[j]), np.sort(band), np.sort(kept)))
         return out
 
+    def _step(self, size: int, k_top: int) -> _TopStep:
+        step = self._steps.get((size, k_top))
+        if step is None:
+            step = self._steps[(size, k_top)] = _TopStep(self, size, k_top)
+        return step
+
     def top_tensors(self, inputs: Any, k_top: int) -> Any:
         """The top pass over the whole mirror, on device tensors only (so that it can be
         captured): ``inputs`` is the batch as ``_TopStep`` packs it; returns one float64 row
@@ -258,19 +274,34 @@ class DeviceFleet:
         q = inputs[:, :half].view(torch.float32)[:, : self.dim]
         f = inputs[:, half : half + 8].view(torch.float64)  # centre, hi, lo, cargo need
         mask = inputs[:, half + 8 : half + 9]
-        dots = f[:, :3] @ t["xyz"].T  # cos(d / R), float64; NaN where no available driver
+        scores = self._scores(q)
+        block_top = None
+        if self._kernel is not None:
+            ranked, block_top, inside, near = self._kernel.rank(
+                torch, scores, t["xyz"], t["cbits"], t["cargo"], f, mask
+            )
+        else:
+            ranked, inside, near = self._ranked(scores, f, mask)
+        values, slots = _top(torch, ranked, k_top, block_top)
+        counts = torch.stack([inside, near], dim=1)
+        return torch.cat([values.double(), slots.double(), counts.double()], dim=1)
+
+    def _ranked(self, scores: Any, f: Any, mask: Any) -> tuple[Any, Any, Any]:
+        """``rank_kernel.rank`` in torch operations: the ranking values (the drivers near the
+        edge as inf, eligible, or float32 max, not; the eligible drivers surely inside by
+        score; -inf), and the counts inside and near per order."""
+        torch, t = self._torch, self._tensors
+        dots = f[:, :3] @ t["xyz"]  # cos(d / R), float64; NaN where no available driver
         inside = dots >= f[:, 3:4]
         near = (dots > f[:, 4:5]) & ~inside
         del dots
         eligible = (t["cbits"][None] & mask) == mask
         for i in range(3):
             eligible &= t["cargo"][i][None] >= f[:, 5 + i : 6 + i]
-        ranked = torch.where(inside & eligible, self._scores(q), -torch.inf)
+        ranked = torch.where(inside & eligible, scores, -torch.inf)
         flags = torch.where(eligible, torch.inf, _NOT_ELIGIBLE).to(torch.float32)
         ranked = torch.where(near, flags, ranked)
-        values, slots = _top(torch, ranked, k_top)
-        counts = torch.stack([inside.sum(dim=1), near.sum(dim=1)], dim=1)
-        return torch.cat([values.double(), slots.double(), counts.double()], dim=1)
+        return ranked, inside.sum(dim=1), near.sum(dim=1)
 
     def _dense_pass(self, queries: list[Query]) -> list[Passed]:
         """Every survivor of each order, whatever their number: masks over the whole fleet,
@@ -285,7 +316,7 @@ class DeviceFleet:
         need = torch.tensor([x.cargo or no_cargo for x in queries], dtype=torch.float64, device=dev)
         with _exact_products(torch):
             scores = self._scores(q)[:, :n]
-        off = centres @ t["xyz"][:n].T - limits  # cos(d / R) - cos(r / R); NaN: unavailable
+        off = centres @ t["xyz"][:, :n] - limits  # cos(d / R) - cos(r / R); NaN: unavailable
         inside = off >= self._band
         band = off.abs() < self._band
         del off
@@ -357,7 +388,7 @@ class DeviceFleet:
             if name == "cbits":  # the same bits as int64: torch has no uint64 bitwise and
                 a = a.view(np.int64)
             host = torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
-            if name == "cargo":
+            if name in ("xyz", "cargo"):  # stored by column
                 t[name][:, idx] = host.T
             else:
                 t[name][idx] = host.to(t[name].dtype)
@@ -428,20 +459,31 @@ _NOT_ELIGIBLE = float(np.finfo(np.float32).max)  # a driver near the edge, not e
 _U_SUM = 2.0**-20  # the unit roundoff ``DeviceFleet.error`` allows the device's float32 sums
 
 
-def _top(torch: Any, ranked: Any, k: int) -> tuple[Any, Any]:
+def _top(torch: Any, ranked: Any, k: int, block_top: Any = None) -> tuple[Any, Any]:
     """Each row's k largest values and their columns, as ``topk`` but in two short steps
     when the rows are long: the k blocks of ``_BLOCK`` columns with the largest maxima hold
     every value above the k-th largest (any other block's values are at most the k-th
     largest maximum, and the k chosen blocks hold k values at least that), then a top-k
-    of those k blocks."""
+    of those k blocks. ``block_top``: the blocks' maxima, when already known."""
     rows, cols = ranked.shape
-    if cols < 4 * k * _BLOCK:
+    if cols < 4 * k * _BLOCK:  # short rows: one top-k
         return ranked.topk(k, dim=1)
     blocks = ranked.view(rows, cols // _BLOCK, _BLOCK)
-    chosen = blocks.amax(dim=2).topk(k, dim=1).indices  # (rows, k)
+    if block_top is None:
+        block_top = blocks.amax(dim=2)
+    chosen = block_top.topk(k, dim=1).indices  # (rows, k)
     picked = blocks.gather(1, chosen[:, :, None].expand(rows, k, _BLOCK))
     values, at = picked.reshape(rows, k * _BLOCK).topk(k, dim=1)
     return values, chosen.gather(1, at // _BLOCK) * _BLOCK + at % _BLOCK
+
+
+def _rank_kernel() -> Any:
+    """``indexes.rank_kernel`` where triton can be imported, else None."""
+    try:
+        module = importlib.import_module("indexes.rank_kernel")
+    except ImportError:
+        return None
+    return module if module.BLOCK == _BLOCK else None
 
 
 def _bucket(n: int, least: int) -> int:

@@ -295,3 +295,92 @@ def test_the_two_step_top_k_returns_the_top_k() -> None:
     at = got_at.numpy()
     assert np.array_equal(np.take_along_axis(ranked, at, axis=1), want)
     assert all(len(set(row.tolist())) == k for row in at)  # k distinct columns per row
+
+
+@pytest.mark.gpu
+def test_the_fused_kernel_ranks_as_the_torch_operations() -> None:
+    """``indexes.rank_kernel`` (the top pass's masks in one Triton kernel, used on CUDA where
+    triton is installed) gives the torch operations' ranking values, block maxima and counts:
+    drivers unavailable, on the circles, with and without the constraints and cargo."""
+    device = device_or_skip("cuda")
+    torch = pytest.importorskip("torch")
+    from features.geo import haversine_km
+    from features.models import Cargo, LatLng
+    from tests.test_index import driver
+
+    rng = np.random.default_rng(21)
+    lat, lng = 31.2304, 121.4737
+    recs = [
+        driver(
+            i,
+            lat + float(rng.normal(0, 0.03)),
+            lng + float(rng.normal(0, 0.03)),
+            status=str(rng.choice(STATUSES, p=[0.7, 0.2, 0.1])),
+            energy=str(rng.choice(["electric", "diesel"])),
+            capacity=float(rng.choice([0.0, 100.0, 1200.0])),
+        )
+        for i in range(3000)
+    ]
+    table = FleetTable(DIM, device=device)
+    table.upsert_drivers(recs, np.stack([quantized_unit(i % 11) for i in range(len(recs))]))
+    ring = [r for r in recs if r.status == "available"][:8]  # each on one order's circle
+    orders_ = [
+        Order(
+            order_id=f"O{j}",
+            pickup=LatLng(lat=lat, lng=lng),
+            radius_km=haversine_km(lat, lng, ring[j].position.lat, ring[j].position.lng),
+            k=5,
+            constraints=["electric_only"] if j % 2 else [],
+            cargo=Cargo(weight_kg=100.0) if j % 3 == 0 else None,
+        )
+        for j in range(8)
+    ]
+    fleet = table._device
+    assert fleet is not None and fleet._kernel is not None, "triton is not installed"
+    table.recommend_many(orders_, [quantized_unit(1)] * len(orders_))  # the mirror synced
+    names = [list(o.constraints) for o in orders_]
+    step = gpu._TopStep(fleet, 8, 64)
+    step.run(table._device_queries(orders_, names, [quantized_unit(1)] * len(orders_)))
+    half = (DIM + 1) // 2
+    inputs = step.inputs
+    params, mask = inputs[:, half : half + 8].view(torch.float64), inputs[:, half + 8 : half + 9]
+    scores = fleet._scores(inputs[:, :half].view(torch.float32)[:, :DIM])
+    t = fleet._tensors
+    ranked, block_top, inside, near = fleet._kernel.rank(
+        torch, scores, t["xyz"], t["cbits"], t["cargo"], params, mask
+    )
+    want, want_inside, want_near = fleet._ranked(scores, params, mask)
+    assert torch.equal(ranked, want)
+    assert torch.equal(inside.long(), want_inside) and torch.equal(near.long(), want_near)
+    assert int(want_near.sum()) >= 8  # the drivers the circles run through
+    rows, cols = want.shape
+    assert torch.equal(block_top, want.view(rows, cols // gpu._BLOCK, gpu._BLOCK).amax(dim=2))
+
+
+def test_a_kernel_that_fails_leaves_the_top_pass_to_torch(caplog: pytest.LogCaptureFixture) -> None:
+    """A Triton kernel that does not compile on this machine (as one did on the H200 before
+    it was fixed) must not fail recommends: a warning, then the torch operations, exact."""
+    device_or_skip("cpu")
+    from tests.test_index import driver, order
+
+    class Broken:
+        @staticmethod
+        def rank(*args: object) -> None:
+            raise RuntimeError("CompilationError: at 39:64")
+
+    recs = [driver(i, 31.2304 + i / 2000, 121.4737) for i in range(40)]
+    vecs = np.stack([quantized_unit(i % 7) for i in range(40)])
+    on_device, plain = FleetTable(DIM, device="cpu"), FleetTable(DIM)
+    for table in (on_device, plain):
+        table.upsert_drivers(recs, vecs)
+    fleet = on_device._device
+    assert fleet is not None
+    fleet._kernel = Broken()
+    orders_ = [order(radius_km=r, k=3) for r in (0.5, 1.0, 5.0)]
+    qs = [quantized_unit(s) for s in (1, 2, 3)]
+    with caplog.at_level("WARNING", logger="indexes.gpu"):
+        got = on_device.recommend_many(orders_, qs)
+    assert got == [plain.recommend(o, q) for o, q in zip(orders_, qs, strict=True)]
+    assert "Triton kernel failed" in caplog.text
+    assert fleet._kernel is None
+    assert on_device.recommend_many(orders_, qs) == got  # and it stays on torch
