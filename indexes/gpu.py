@@ -35,8 +35,9 @@ import faiss
 import numpy as np
 import numpy.typing as npt
 
-# What the mirror holds per slot: "vectors" (float32), "xyz" (float64 unit 3-vector of the
-# position), "available" (bool), "cbits" (uint64), "cargo" (float64, 3).
+# What the table gives the mirror per slot (``DeviceFleet.sync``'s ``read``): "vectors"
+# (float32), "xyz" (float64 unit 3-vector of the position), "available" (bool), "cbits"
+# (uint64), "cargo" (float64, 3).
 Columns = dict[str, npt.NDArray[Any]]
 
 _log = logging.getLogger(__name__)
@@ -415,7 +416,12 @@ class _TopStep:
                 fleet.top_tensors(self.inputs, k_top)  # cuBLAS and the allocator warmed up
             torch.cuda.current_stream(fleet.device).wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=fleet.graph_pool), _exact_products(torch):
+            # thread_local: an engine thread of the same process (one-process serving) keeps
+            # running its own CUDA work while this captures
+            capture = torch.cuda.graph(
+                self.graph, pool=fleet.graph_pool, capture_error_mode="thread_local"
+            )
+            with capture, _exact_products(torch):
                 self.outputs = fleet.top_tensors(self.inputs, k_top)
 
     def run(self, queries: list[Query]) -> tuple[npt.NDArray[Any], ...]:
