@@ -30,6 +30,7 @@ from langchain_core.stores import ByteStore
 
 from cache import codec
 from cache.base import CacheStore, ErrorLog, log
+from cache.boot import BootGuard
 from cache.redis_store import RedisByteStore
 
 GiB = 1 << 30
@@ -144,13 +145,16 @@ class MemoryByteStore(CacheStore):
 
 
 class LmdbByteStore(CacheStore):
-    """``str -> bytes`` in one LMDB environment (a directory holding data.mdb and lock.mdb).
+    """``str -> bytes`` in one LMDB environment (a directory holding data.mdb and lock.mdb,
+    and the files of its boot guard, ``cache.boot``).
 
     ``mget`` runs in one read transaction and ``mset`` / ``mdelete`` in one write transaction
     each. Durability: ``sync=True`` (default) with ``metasync=False`` keeps atomicity and
     consistency on any crash and loses at most the last committed batch on an OS crash or
-    power loss (a process crash loses nothing); ``sync=False`` also skips the data fsync
-    (faster bulk warm-up, an OS crash may lose more recent batches). Several processes may
+    power loss (a process crash loses nothing); ``sync=False`` also skips the data fsync at
+    each commit (an fsync every ``sync_every_s`` seconds instead, if given, and at close): a
+    process crash still loses nothing, and after an OS crash or a power loss the cache starts
+    empty (``cache.boot``: the tree may be torn, so it is not read). Several processes may
     open the same directory (the server and ``fleetcache warmup``): LMDB locks writers.
     A full map (``map_size``) makes writes raise ``lmdb.MapFullError``; TieredByteStore counts
     that as a store error and keeps serving. Async forms run the call in a worker thread.
@@ -165,27 +169,42 @@ class LmdbByteStore(CacheStore):
         map_size: int = 4 * GiB,
         *,
         sync: bool = True,
+        sync_every_s: float | None = None,
         readahead: bool = False,
         max_readers: int = 256,
         scan_chunk: int = 1024,
     ) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
-        # readahead=False: lookups are random single pages, the OS readahead only evicts
-        # useful pages once the file outgrows RAM.
-        self._env = lmdb.open(
-            str(self.path),
-            subdir=True,
-            map_size=map_size,
-            max_dbs=0,
-            sync=sync,
-            metasync=False,
-            readahead=readahead,
-            writemap=False,
-            max_readers=max_readers,
-            lock=True,
-        )
+        self._guard = BootGuard(self.path, unsynced=not sync)
+        self.emptied_at_open = self._guard.emptied  # after an OS crash, unsynced (cache.boot)
+        try:
+            # readahead=False: lookups are random single pages, the OS readahead only evicts
+            # useful pages once the file outgrows RAM.
+            self._env = lmdb.open(
+                str(self.path),
+                subdir=True,
+                map_size=map_size,
+                max_dbs=0,
+                sync=sync,
+                metasync=False,
+                readahead=readahead,
+                writemap=False,
+                max_readers=max_readers,
+                lock=True,
+            )
+        except BaseException:
+            self._guard.release(synced=False)
+            raise
         self._env.reader_check()  # free slots left by crashed processes
+        self.syncs = 0  # fsyncs by the timer (``sync_every_s``)
+        self._stop_syncing = threading.Event()
+        self._syncer: threading.Thread | None = None
+        if not sync and sync_every_s:
+            self._syncer = threading.Thread(
+                target=self._sync_every, args=(sync_every_s,), name="lmdb-fsync", daemon=True
+            )
+            self._syncer.start()
         self._max_key = self._env.max_key_size()
         self._scan_chunk = scan_chunk
         self._closed = False
@@ -326,10 +345,20 @@ class LmdbByteStore(CacheStore):
             "map_size": info["map_size"],
         }
 
+    def _sync_every(self, seconds: float) -> None:
+        while not self._stop_syncing.wait(seconds):
+            self._env.sync(True)
+            self.syncs += 1
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            self._stop_syncing.set()
+            if self._syncer is not None:
+                self._syncer.join()
+            self._env.sync(True)  # everything on disk: the last one out may mark it clean
             self._env.close()
+            self._guard.release(synced=True)
 
 
 class TieredByteStore(CacheStore):
@@ -606,12 +635,19 @@ class TieredByteStore(CacheStore):
             await self.store.aclose()
 
 
+def fsync_options(every_s: float) -> dict[str, Any]:
+    """``LmdbByteStore``'s ``sync`` and ``sync_every_s`` for ``FLEETCACHE_LMDB_FSYNC_EVERY_S``
+    (0: an fsync at every commit)."""
+    return {"sync": every_s <= 0, "sync_every_s": every_s if every_s > 0 else None}
+
+
 def build_store(
     kind: str,
     *,
     memory_bytes: int,
     data_dir: Path | str | None = None,
     map_size: int = 4 * GiB,
+    lmdb_fsync_every_s: float = 0.0,
     redis_url: str | None = None,
     redis_prefix: str = "fc:",
     redis_ttl_s: float | None = None,
@@ -620,7 +656,9 @@ def build_store(
 ) -> TieredByteStore:
     """The tiered store for ``FLEETCACHE_STORE``: ``memory`` | ``lmdb`` | ``redis``.
 
-    LMDB lives in ``data_dir / "cache.lmdb"``; Redis at ``redis_url`` under ``redis_prefix``.
+    LMDB lives in ``data_dir / "cache.lmdb"``, with an fsync at every commit, or without
+    (``lmdb_fsync_every_s`` > 0: an fsync that often; ``LmdbByteStore``); Redis at
+    ``redis_url`` under ``redis_prefix``.
     """
     memory = MemoryByteStore(memory_bytes)
     store: CacheStore | None
@@ -629,7 +667,9 @@ def build_store(
     elif kind == "lmdb":
         if data_dir is None:
             raise ValueError("store kind 'lmdb' needs a data_dir")
-        store = LmdbByteStore(Path(data_dir) / "cache.lmdb", map_size)
+        store = LmdbByteStore(
+            Path(data_dir) / "cache.lmdb", map_size, **fsync_options(lmdb_fsync_every_s)
+        )
     elif kind == "redis":
         if not redis_url:
             raise ValueError("store kind 'redis' needs a redis_url")

@@ -335,7 +335,12 @@ async def shared_tier(settings: Settings) -> AsyncIterator[TieredByteStore]:
     if settings.store == "lmdb" and settings.lmdb_writer == "process":
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
-        writer = LmdbWriterStore(settings.lmdb_path, map_size, log_level=level)
+        writer = LmdbWriterStore(
+            settings.lmdb_path,
+            map_size,
+            fsync_every_s=settings.lmdb_fsync_every_s,
+            log_level=level,
+        )
         tier = stores.TieredByteStore(stores.MemoryByteStore(0), await writer.start())
     else:
         tier = stores.build_store(
@@ -343,6 +348,7 @@ async def shared_tier(settings: Settings) -> AsyncIterator[TieredByteStore]:
             memory_bytes=0,
             data_dir=settings.data_dir,
             map_size=map_size,
+            lmdb_fsync_every_s=settings.lmdb_fsync_every_s,
             redis_url=settings.redis_url,
         )
     try:

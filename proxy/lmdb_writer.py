@@ -37,7 +37,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
-from cache.stores import GiB, LmdbByteStore
+from cache.stores import GiB, LmdbByteStore, fsync_options
 from proxy.ipc import RpcClient, RpcServer
 
 log = logging.getLogger("fleetcache.engine")
@@ -49,9 +49,17 @@ class LmdbWriterStore(LmdbByteStore):
     """An ``LmdbByteStore`` whose ``amset`` runs in a writer child (see the module docstring).
     ``start`` it inside the event loop that will write; ``close`` stops the child."""
 
-    def __init__(self, path: Path | str, map_size: int = 4 * GiB, *, log_level: str = "info"):
-        super().__init__(path, map_size)
+    def __init__(
+        self,
+        path: Path | str,
+        map_size: int = 4 * GiB,
+        *,
+        fsync_every_s: float = 0.0,
+        log_level: str = "info",
+    ):
+        super().__init__(path, map_size, **fsync_options(fsync_every_s))
         self._map_size = map_size
+        self._fsync_every_s = fsync_every_s
         self._log_level = log_level
         self._address = f"ipc://@fleetcache-writer-{os.getpid()}-{secrets.token_hex(4)}"
         self._process: BaseProcess | None = None
@@ -67,7 +75,7 @@ class LmdbWriterStore(LmdbByteStore):
 
     def _spawn(self) -> None:
         context = multiprocessing.get_context("spawn")
-        args = (str(self.path), self._map_size, self._address, self._log_level)
+        args = (str(self.path), self._map_size, self._fsync_every_s, self._address, self._log_level)
         self._process = context.Process(
             target=writer_main, args=args, name="fleetcache-writer", daemon=True
         )
@@ -110,17 +118,19 @@ class LmdbWriterStore(LmdbByteStore):
         self.close()
 
 
-def writer_main(path: str, map_size: int, address: str, log_level: str) -> None:
+def writer_main(
+    path: str, map_size: int, fsync_every_s: float, address: str, log_level: str
+) -> None:
     from proxy.processes import become_child
 
     become_child("writer", log_level)  # dies with the engine process
-    asyncio.run(_writer(path, map_size, address))
+    asyncio.run(_writer(path, map_size, fsync_every_s, address))
 
 
-async def _writer(path: str, map_size: int, address: str) -> None:
+async def _writer(path: str, map_size: int, fsync_every_s: float, address: str) -> None:
     from proxy.processes import serve_until_stopped
 
-    store = LmdbByteStore(path, map_size)
+    store = LmdbByteStore(path, map_size, **fsync_options(fsync_every_s))
 
     async def ping(message: dict[str, Any], blobs: list[Any]) -> tuple[dict[str, Any], tuple[()]]:
         return {"pid": os.getpid()}, ()

@@ -234,6 +234,7 @@ def build_tiers(settings: Settings) -> TieredByteStore:
         memory_bytes=int(settings.memory_cache_mb * 2**20),
         data_dir=settings.data_dir,
         map_size=int(settings.lmdb_map_size_gb * 2**30),
+        lmdb_fsync_every_s=settings.lmdb_fsync_every_s,
         redis_url=settings.redis_url,
     )
 

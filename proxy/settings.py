@@ -82,6 +82,12 @@ class Settings(BaseSettings):
     data_dir: Path = Path("./data")
     memory_cache_mb: float = Field(256.0, ge=0.0, description="tier-1 LRU size")
     lmdb_map_size_gb: float = Field(8.0, gt=0.0)
+    lmdb_fsync_every_s: float = Field(
+        0.0,
+        ge=0.0,
+        description="0: LMDB fsyncs at every commit; N: every N s instead, and the cache "
+        "starts empty after an OS crash (cache.boot)",
+    )
     cache_ttl_driver_s: float | None = Field(None, gt=0.0, description="none: never expires")
     cache_ttl_vehicle_s: float | None = Field(None, gt=0.0, description="none: never expires")
     # access (API.md, "Authentication and scopes"; proxy.auth)
