@@ -7,8 +7,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,7 +15,7 @@ import pytest
 from cache import boot
 from cache.stores import LmdbByteStore, build_store
 from proxy.settings import Settings
-from tests.test_cache_crash import REPO
+from tests.test_cache_crash import python_child
 
 ENTRIES = [(f"ns:{i:04d}", bytes([i % 251]) * 64) for i in range(500)]
 
@@ -63,20 +61,12 @@ def test_a_clean_close_keeps_the_entries_through_a_restart(
 def test_only_the_last_store_to_close_marks_the_cache_clean(tmp_path: Path) -> None:
     """Another process (LMDB opens an environment once per process) holds it open while this
     one closes: still unsynced-dirty until that one closes too."""
-    other = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys; from cache.stores import LmdbByteStore; "
-            "s = LmdbByteStore(sys.argv[1], sync=False); print('open', flush=True); "
-            "sys.stdin.readline(); s.close(); print('closed', flush=True)",
-            str(tmp_path),
-        ],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
+    other = python_child(
+        "import sys; from cache.stores import LmdbByteStore; "
+        "s = LmdbByteStore(sys.argv[1], sync=False); print('open', flush=True); "
+        "sys.stdin.readline(); s.close(); print('closed', flush=True)",
+        str(tmp_path),
+        stdin=True,
     )
     assert other.stdin is not None and other.stdout is not None
     try:
@@ -121,18 +111,10 @@ def write_unsynced_until_killed(target: str) -> None:
 
 def test_kill_9_of_an_unsynced_writer_loses_no_acknowledged_entry(tmp_path: Path) -> None:
     """A process crash is not an OS crash: the page cache holds every committed write."""
-    child = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys; from tests.test_cache_boot import write_unsynced_until_killed as w; "
-            "w(sys.argv[1])",
-            str(tmp_path),
-        ],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        stdout=subprocess.PIPE,
-        text=True,
+    child = python_child(
+        "import sys; from tests.test_cache_boot import write_unsynced_until_killed as w; "
+        "w(sys.argv[1])",
+        str(tmp_path),
     )
     assert child.stdout is not None
     reported = 0

@@ -38,6 +38,18 @@ def vector(i: int) -> np.ndarray:
     return np.arange(i, i + DIM, dtype=np.float32)
 
 
+def python_child(code: str, *args: str, stdin: bool = False) -> subprocess.Popen[str]:
+    """``python -c code args`` in this repository, its stdout (and ``stdin``) piped, text."""
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdin=subprocess.PIPE if stdin else None,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
 def open_store(kind: str, target: str):  # type: ignore[no-untyped-def]
     if kind == "lmdb":
         return build_store("lmdb", memory_bytes=0, data_dir=target, map_size=512 * MiB)
@@ -61,19 +73,11 @@ def test_kill_9_during_writes_leaves_no_entry_that_decodes_wrongly(
         target = str(tmp_path / "data")
     else:
         target = request.getfixturevalue("redis_server").url
-    child = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys; from tests.test_cache_crash import write_until_killed as w; "
-            "w(sys.argv[1], sys.argv[2])",
-            kind,
-            target,
-        ],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        stdout=subprocess.PIPE,
-        text=True,
+    child = python_child(
+        "import sys; from tests.test_cache_crash import write_until_killed as w; "
+        "w(sys.argv[1], sys.argv[2])",
+        kind,
+        target,
     )
     assert child.stdout is not None
     reported = 0
