@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -24,4 +25,23 @@ def haversine_km_many(
     p1, p2 = math.radians(lat), np.radians(lats)
     dp, dl = p2 - p1, np.radians(lngs - lng)
     h = np.sin(dp / 2) ** 2 + math.cos(p1) * np.cos(p2) * np.sin(dl / 2) ** 2
+    return 2 * EARTH_RADIUS_KM * np.arcsin(np.minimum(1.0, np.sqrt(h)))
+
+
+def haversine_km_each(
+    origins: Sequence[tuple[float, float]],
+    counts: Sequence[int],
+    lats: npt.NDArray[np.float64],
+    lngs: npt.NDArray[np.float64],
+) -> npt.NDArray[np.float64]:
+    """``haversine_km_many(*origins[j], ...)`` for each j over its ``counts[j]`` points (all
+    of them one after another in ``lats``, ``lngs``), in one vectorised pass and bit for bit
+    the same: each origin's radians and cosine come from ``math`` there as here, and every
+    array operation acts element by element."""
+    p1 = np.repeat([math.radians(lat) for lat, _ in origins], counts)
+    cos_p1 = np.repeat([math.cos(math.radians(lat)) for lat, _ in origins], counts)
+    lng1 = np.repeat([lng for _, lng in origins], counts)
+    p2 = np.radians(lats)
+    dp, dl = p2 - p1, np.radians(lngs - lng1)
+    h = np.sin(dp / 2) ** 2 + cos_p1 * np.cos(p2) * np.sin(dl / 2) ** 2
     return 2 * EARTH_RADIUS_KM * np.arcsin(np.minimum(1.0, np.sqrt(h)))

@@ -47,7 +47,7 @@ import math
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -58,7 +58,7 @@ import numpy as np
 import numpy.typing as npt
 
 from features.constraints import CONSTRAINTS, Predicate, check_constraints
-from features.geo import EARTH_RADIUS_KM, haversine_km_many
+from features.geo import EARTH_RADIUS_KM, haversine_km_each, haversine_km_many
 from features.models import DriverRecord, Order, Position, Status
 from indexes import gpu, ranking, snapshot
 from indexes import gpu as gpu_module
@@ -711,18 +711,20 @@ class FleetTable:
             kept.append(slots)
             outside.append(out.size)
         sims = ranking.inner_products_many(self._rows(), qs, kept)
-        answers = []
+        everyone = np.concatenate(kept) if kept else np.zeros(0, dtype=np.int64)
+        far = haversine_km_each(  # every survivor's distance, in one pass
+            [(o.pickup.lat, o.pickup.lng) for o in orders],
+            [s.size for s in kept],
+            cols.lat[everyone],
+            cols.lng[everyone],
+        )
+        answers, start = [], 0
         for order, p, slots, s, gone in zip(orders, passed, kept, sims, outside, strict=True):
-            distances = self._distances_from(order.pickup.lat, order.pickup.lng, slots)
-            best = ranking.best_scored(slots, s, distances, order.k, self._ids, self._vehicles)
+            d = far[start : start + slots.size]
+            start += slots.size
+            best = ranking.best_scored(slots, s, d.__getitem__, order.k, self._ids, self._vehicles)
             answers.append(Recommendation(best, p.inside + p.band.size - gone))
         return answers
-
-    def _distances_from(
-        self, lat: float, lng: float, slots: Slots
-    ) -> Callable[[npt.NDArray[np.intp]], ranking.Distances]:
-        cols = self._cols
-        return lambda i: haversine_km_many(lat, lng, cols.lat[slots[i]], cols.lng[slots[i]])
 
     def _device_columns(self, slots: Slots, with_vectors: bool) -> gpu_module.Columns:
         cols = self._cols

@@ -32,7 +32,7 @@ from features.constraints import (
     fits_cargo,
     satisfies,
 )
-from features.geo import EARTH_RADIUS_KM, haversine_km, haversine_km_many
+from features.geo import EARTH_RADIUS_KM, haversine_km, haversine_km_each, haversine_km_many
 from features.models import Cargo, DriverRecord, Order, VehicleRecord
 from features.readers import (
     FLAT_COLUMNS,
@@ -394,6 +394,28 @@ def test_haversine_many_matches_the_scalar_form() -> None:
     many = haversine_km_many(31.2304, 121.4737, np.array(lats), np.array(lngs))
     scalar = [haversine_km(31.2304, 121.4737, la, ln) for la, ln in zip(lats, lngs, strict=True)]
     assert many.tolist() == pytest.approx(scalar)
+
+
+def test_distances_from_many_origins_in_one_pass_are_the_same_bits() -> None:
+    """recommend on a device measures every order's survivors in one call; its answers must
+    be the CPU path's bit for bit, which measures them order by order."""
+    rng = np.random.default_rng(12)
+    fleet = generate_fleet(3000, seed=8)
+    lats = np.array([d.position.lat for d in fleet])
+    lngs = np.array([d.position.lng for d in fleet])
+    origins = [(float(a), float(b)) for a, b in zip(lats[:40], lngs[:40], strict=True)]
+    counts = [int(c) for c in rng.integers(0, 150, size=len(origins))]
+    counts[3] = 0  # an order with no survivor
+    at = rng.integers(len(fleet), size=sum(counts))
+    together = haversine_km_each(origins, counts, lats[at], lngs[at])
+    alone = np.concatenate(
+        [
+            haversine_km_many(lat, lng, lats[part], lngs[part])
+            for (lat, lng), part in zip(origins, np.split(at, np.cumsum(counts)[:-1]), strict=True)
+        ]
+    )
+    assert np.array_equal(together, alone)  # exactly, not approximately
+    assert together.max() > 5.0  # not all zero: far points too
 
 
 # ---- models --------------------------------------------------------------------------------
