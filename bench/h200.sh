@@ -3,6 +3,7 @@
 # which session ran what). Two calls back to back on one warm machine (it keeps /tmp about 30 s):
 #   1. carry [".whl"]:      bash bench/h200.sh install     (the proxy's wheels into /tmp/site)
 #   2. carry [".gpumodel", ".gpuwrk"]:  bash bench/h200.sh serve   (writes under $OUT)
+#      (or: bash bench/h200.sh index, which needs neither: recommend's device pass)
 # Prepared here: ../shared/scripts/gpu-wheels fastapi uvicorn httptools langchain-core
 #   langchain-classic llama-index-core faiss-cpu lmdb redis orjson pydantic-settings pyzmq msgspec
 #   pytest-asyncio pytest-timeout; the fp16 model copy in .gpumodel/minilm-fp16 (docs/GPU_RUN.md);
@@ -24,9 +25,16 @@ case "${1:-}" in
     shift
     python3 -m bench.recommend_bench --wrk .gpuwrk/usr/bin/wrk --out "$OUT/recommend" "$@" 2>&1 \
       | tee "$OUT/recommend_bench.txt" ;;
+  index)  # recommend's device pass: its tests, then the pass in both forms on one 1M fleet
+    python3 -m pytest -q -p no:cacheprovider tests/test_index_gpu.py 2>&1 | tail -3 \
+      | tee "$OUT/index_tests.txt"
+    B="--snapshot /tmp/f1m --moves 0 100 --runs 3 --batches 100 --radius 3 10"
+    python3 -m bench.device_pass_bench $B --label fused 2>&1 | grep -v USDT | tee "$OUT/fused.txt"
+    python3 -m bench.device_pass_bench $B --label torch-ops --torch-ops 2>&1 | grep -v USDT \
+      | tee "$OUT/torch_ops.txt" ;;
   tests)
     FLEETCACHE_GPU_MODEL=$MODEL python3 -m pytest -q -p no:cacheprovider -W ignore::UserWarning \
       -W ignore::DeprecationWarning -W ignore::FutureWarning tests/test_gpu_torch.py ;;
-  *) echo "usage: bench/h200.sh install | serve [serve_bench options] | recommend [options] | tests" >&2
+  *) echo "usage: bench/h200.sh install | serve [serve_bench options] | recommend [options] | index | tests" >&2
      exit 2 ;;
 esac
