@@ -271,10 +271,8 @@ class DeviceFleet:
         """The top pass over the whole mirror, on device tensors only (so that it can be
         captured): ``inputs`` is the batch as ``_TopStep`` packs it; returns one float64 row
         per order: K values, K slots, the count inside, the count near the edge."""
-        torch, t, half = self._torch, self._tensors, (self.dim + 1) // 2
-        q = inputs[:, :half].view(torch.float32)[:, : self.dim]
-        f = inputs[:, half : half + 8].view(torch.float64)  # centre, hi, lo, cargo need
-        mask = inputs[:, half + 8 : half + 9]
+        torch, t = self._torch, self._tensors
+        q, f, mask = self._unpack(inputs)
         scores = self._scores(q)
         block_top = None
         if self._kernel is not None:
@@ -286,6 +284,33 @@ class DeviceFleet:
         values, slots = _top(torch, ranked, k_top, block_top)
         counts = torch.stack([inside, near], dim=1)
         return torch.cat([values.double(), slots.double(), counts.double()], dim=1)
+
+    def pack(self, host: npt.NDArray[np.int64], queries: list[Query]) -> None:
+        """The orders as both passes read them, one row of int64 words each (``host`` has
+        at least as many rows; rows past the orders are padding that matches nobody): the
+        vector (float32), then float64 words: centre x, y, z, hi, lo, the cargo needs, then
+        the constraint bits."""
+        half, m = (self.dim + 1) // 2, len(queries)
+        words = host[:, half:].view(np.float64)
+        host[:, :half].view(np.float32)[:m, : self.dim] = np.stack([x.vector for x in queries])
+        limits = np.array([x.limit for x in queries])
+        words[:m, :3] = np.stack([x.centre for x in queries])
+        words[:m, 3] = limits + self._band  # at least this: surely inside
+        words[:m, 4] = limits - self._band  # above this and not inside: near the edge
+        words[:m, 5:8] = [x.cargo or (-np.inf, -np.inf, -np.inf) for x in queries]
+        host[:m, half + 8] = [_signed(x.mask) for x in queries]
+        host[m:] = 0
+        words[m:, 3:5] = np.inf  # padding: nobody inside, nobody near
+
+    def _width(self) -> int:
+        return (self.dim + 1) // 2 + 9  # int64 words a packed order takes
+
+    def _unpack(self, inputs: Any) -> tuple[Any, Any, Any]:
+        """``pack``'s rows on the device as views: vectors, float64 words, constraint bits."""
+        torch, half = self._torch, (self.dim + 1) // 2
+        q = inputs[:, :half].view(torch.float32)[:, : self.dim]
+        f = inputs[:, half : half + 8].view(torch.float64)  # centre, hi, lo, cargo need
+        return q, f, inputs[:, half + 8 : half + 9]
 
     def _ranked(self, scores: Any, f: Any, mask: Any) -> tuple[Any, Any, Any]:
         """``rank_kernel.rank`` in torch operations: the ranking values (the drivers near the
@@ -305,43 +330,35 @@ class DeviceFleet:
         return ranked, inside.sum(dim=1), near.sum(dim=1)
 
     def _dense_pass(self, queries: list[Query]) -> list[Passed]:
-        """Every survivor of each order, whatever their number: masks over the whole fleet,
-        a top-k to set each order's bar, and one copy back of what passed."""
-        torch, t = self._torch, self._tensors
-        n, m, dev = self._rows, len(queries), self.device
-        q = torch.from_numpy(np.stack([x.vector for x in queries])).to(dev)
-        centres = torch.from_numpy(np.stack([x.centre for x in queries])).to(dev)
-        limits = torch.tensor([[x.limit] for x in queries], dtype=torch.float64, device=dev)
-        masks = torch.tensor([[_signed(x.mask)] for x in queries], dtype=torch.int64, device=dev)
-        no_cargo = (-np.inf, -np.inf, -np.inf)
-        need = torch.tensor([x.cargo or no_cargo for x in queries], dtype=torch.float64, device=dev)
+        """Every survivor of each order, whatever their number: the top pass's ranking
+        values (``_ranked``), a top-k of the scores to set each order's bar, and one copy back
+        of what passed."""
+        torch, n, m = self._torch, self._rows, len(queries)
+        host = np.zeros((m, self._width()), dtype=np.int64)
+        self.pack(host, queries)
+        q, f, mask = self._unpack(torch.from_numpy(host).to(self.device))
         with _exact_products(torch):
-            scores = self._scores(q)[:, :n]
-        off = centres @ t["xyz"][:, :n] - limits  # cos(d / R) - cos(r / R); NaN: unavailable
-        inside = off >= self._band
-        band = off.abs() < self._band
-        del off
-        eligible = (t["cbits"][None, :n] & masks) == masks
-        for i in range(3):
-            eligible &= t["cargo"][i][None, :n] >= need[:, i : i + 1]
-        sure = inside & eligible
+            scores = self._scores(q)
+        ranked, inside, _ = self._ranked(scores, f, mask)
+        ranked = ranked[:, :n]
+        near = ranked >= _NOT_ELIGIBLE  # the sentinels: available drivers near the edge
+        real = torch.where(near, -torch.inf, ranked)  # eligible and surely inside: scores
         k_max = min(max(x.k for x in queries), n)
-        best = torch.where(sure, scores, -torch.inf).topk(k_max, dim=1).values.cpu().numpy()
+        best = real.topk(k_max, dim=1).values.cpu().numpy()
         bars = [
             self._bar32(float(best[j, min(x.k, k_max) - 1]), x.vector)
             for j, x in enumerate(queries)
         ]
-        bar = torch.tensor(np.array(bars, dtype=np.float32)[:, None], device=dev)
-        keep = (sure & (scores >= bar)) | (band & eligible)
-        counts = inside.sum(dim=1)
-        kept, near = torch.nonzero(keep), torch.nonzero(band)
-        counts, kept, near = counts.cpu().numpy(), kept.cpu().numpy(), near.cpu().numpy()
+        bar = torch.tensor(np.array(bars, dtype=np.float32)[:, None], device=self.device)
+        keep = ((real >= bar) & (real > -torch.inf)) | (ranked == torch.inf)
+        kept, near_at_all = torch.nonzero(keep).cpu().numpy(), torch.nonzero(near).cpu().numpy()
+        counts = inside.cpu().numpy()
         kept_at = np.searchsorted(kept[:, 0], np.arange(m + 1))
-        near_at = np.searchsorted(near[:, 0], np.arange(m + 1))
+        near_at = np.searchsorted(near_at_all[:, 0], np.arange(m + 1))
         return [
             Passed(
                 int(counts[j]),
-                np.ascontiguousarray(near[near_at[j] : near_at[j + 1], 1]),
+                np.ascontiguousarray(near_at_all[near_at[j] : near_at[j + 1], 1]),
                 np.ascontiguousarray(kept[kept_at[j] : kept_at[j + 1], 1]),
             )
             for j in range(m)
@@ -403,11 +420,10 @@ class _TopStep:
     def __init__(self, fleet: DeviceFleet, size: int, k_top: int) -> None:
         torch = fleet._torch
         self.fleet, self.size, self.k_top = fleet, size, k_top
-        self.width = (fleet.dim + 1) // 2 + 9  # int64 words: vector, centre, hi, lo, need, mask
-        cuda = fleet.device.type == "cuda"
-        self.host_in = torch.zeros((size, self.width), dtype=torch.int64, pin_memory=cuda)
+        width, cuda = fleet._width(), fleet.device.type == "cuda"
+        self.host_in = torch.zeros((size, width), dtype=torch.int64, pin_memory=cuda)
         self.host_out = torch.zeros((size, 2 * k_top + 2), dtype=torch.float64, pin_memory=cuda)
-        self.inputs = torch.zeros((size, self.width), dtype=torch.int64, device=fleet.device)
+        self.inputs = torch.zeros((size, width), dtype=torch.int64, device=fleet.device)
         self.graph: Any = None
         if cuda:
             side = torch.cuda.Stream(fleet.device)
@@ -427,18 +443,8 @@ class _TopStep:
     def run(self, queries: list[Query]) -> tuple[npt.NDArray[Any], ...]:
         """Per order: its K values (float32), their slots, the counts inside and near."""
         torch, fleet, k_top = self.fleet._torch, self.fleet, self.k_top
-        host = self.host_in.numpy()
-        half, m = (fleet.dim + 1) // 2, len(queries)
-        words = host[:, half:].view(np.float64)
-        host[:, :half].view(np.float32)[:m, : fleet.dim] = np.stack([x.vector for x in queries])
-        limits = np.array([x.limit for x in queries])
-        words[:m, :3] = np.stack([x.centre for x in queries])
-        words[:m, 3] = limits + fleet._band  # at least this: surely inside
-        words[:m, 4] = limits - fleet._band  # above this and not inside: near the edge
-        words[:m, 5:8] = [x.cargo or (-np.inf, -np.inf, -np.inf) for x in queries]
-        host[:m, half + 8] = [_signed(x.mask) for x in queries]
-        host[m:] = 0
-        words[m:, 3:5] = np.inf  # padding: nobody inside, nobody near
+        m = len(queries)
+        fleet.pack(self.host_in.numpy(), queries)
         self.inputs.copy_(self.host_in, non_blocking=True)
         if self.graph is not None:
             self.graph.replay()

@@ -57,6 +57,26 @@ def check_batch(
         )
 
 
+def mixed_fleet(
+    rng: np.random.Generator, n: int, lat: float, lng: float, spread_deg: float
+) -> list[DriverRecord]:
+    """n drivers around (lat, lng): most available, some busy or offline; electric or
+    diesel; no cargo room, some or much."""
+    from tests.test_index import driver
+
+    return [
+        driver(
+            i,
+            lat + float(rng.normal(0, spread_deg)),
+            lng + float(rng.normal(0, spread_deg)),
+            status=str(rng.choice(STATUSES, p=[0.7, 0.2, 0.1])),
+            energy=str(rng.choice(["electric", "diesel"])),
+            capacity=float(rng.choice([0.0, 100.0, 1200.0])),
+        )
+        for i in range(n)
+    ]
+
+
 def _gaussian(seed: int) -> np.ndarray:
     v = np.random.default_rng(seed).normal(size=DIM).astype(np.float32)
     return v / np.linalg.norm(v)
@@ -123,19 +143,7 @@ def test_a_dense_fleet_through_the_device_first_pass(device: str) -> None:
     rng = np.random.default_rng(11)
     n = 6000
     lat, lng = 31.2304, 121.4737
-    from tests.test_index import driver
-
-    recs = [
-        driver(
-            i,
-            lat + float(rng.normal(0, 0.04)),
-            lng + float(rng.normal(0, 0.04)),
-            status=str(rng.choice(STATUSES, p=[0.7, 0.2, 0.1])),
-            energy=str(rng.choice(["electric", "diesel"])),
-            capacity=float(rng.choice([0.0, 100.0, 1200.0])),
-        )
-        for i in range(n)
-    ]
+    recs = mixed_fleet(rng, n, lat, lng, 0.04)
     base = rng.normal(size=(5, DIM)).astype(np.float32)
     vecs = base[rng.integers(5, size=n)] + rng.normal(size=(n, DIM)).astype(
         np.float32
@@ -306,21 +314,10 @@ def test_the_fused_kernel_ranks_as_the_torch_operations() -> None:
     torch = pytest.importorskip("torch")
     from features.geo import haversine_km
     from features.models import Cargo, LatLng
-    from tests.test_index import driver
 
     rng = np.random.default_rng(21)
     lat, lng = 31.2304, 121.4737
-    recs = [
-        driver(
-            i,
-            lat + float(rng.normal(0, 0.03)),
-            lng + float(rng.normal(0, 0.03)),
-            status=str(rng.choice(STATUSES, p=[0.7, 0.2, 0.1])),
-            energy=str(rng.choice(["electric", "diesel"])),
-            capacity=float(rng.choice([0.0, 100.0, 1200.0])),
-        )
-        for i in range(3000)
-    ]
+    recs = mixed_fleet(rng, 3000, lat, lng, 0.03)
     table = FleetTable(DIM, device=device)
     table.upsert_drivers(recs, np.stack([quantized_unit(i % 11) for i in range(len(recs))]))
     ring = [r for r in recs if r.status == "available"][:8]  # each on one order's circle
@@ -341,10 +338,8 @@ def test_the_fused_kernel_ranks_as_the_torch_operations() -> None:
     names = [list(o.constraints) for o in orders_]
     step = gpu._TopStep(fleet, 8, 64)
     step.run(table._device_queries(orders_, names, [quantized_unit(1)] * len(orders_)))
-    half = (DIM + 1) // 2
-    inputs = step.inputs
-    params, mask = inputs[:, half : half + 8].view(torch.float64), inputs[:, half + 8 : half + 9]
-    scores = fleet._scores(inputs[:, :half].view(torch.float32)[:, :DIM])
+    q, params, mask = fleet._unpack(step.inputs)
+    scores = fleet._scores(q)
     t = fleet._tensors
     ranked, block_top, inside, near = fleet._kernel.rank(
         torch, scores, t["xyz"], t["cbits"], t["cargo"], params, mask
