@@ -20,9 +20,11 @@ writes are whole in the page cache; the next reboot empties the cache instead.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -98,20 +100,12 @@ class BootGuard:
         finally:
             os.close(fd)
 
-    def _marker_locked(self) -> _Locked:
-        return _Locked(self.directory / "boot.lock")
-
-
-class _Locked:
-    """``boot.lock`` held exclusively inside ``with``."""
-
-    def __init__(self, path: Path) -> None:
-        self._path = path
-        self._fd = -1
-
-    def __enter__(self) -> None:
-        self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-
-    def __exit__(self, *exc: object) -> None:
-        os.close(self._fd)
+    @contextlib.contextmanager
+    def _marker_locked(self) -> Iterator[None]:
+        """``boot.lock`` held exclusively inside."""
+        fd = os.open(self.directory / "boot.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)

@@ -22,10 +22,7 @@ def haversine_km_many(
     lat: float, lng: float, lats: npt.NDArray[np.float64], lngs: npt.NDArray[np.float64]
 ) -> npt.NDArray[np.float64]:
     """Distances from one point to many, vectorised; same formula as ``haversine_km``."""
-    p1, p2 = math.radians(lat), np.radians(lats)
-    dp, dl = p2 - p1, np.radians(lngs - lng)
-    h = np.sin(dp / 2) ** 2 + math.cos(p1) * np.cos(p2) * np.sin(dl / 2) ** 2
-    return 2 * EARTH_RADIUS_KM * np.arcsin(np.minimum(1.0, np.sqrt(h)))
+    return haversine_km_each([(lat, lng)], [len(lats)], lats, lngs)
 
 
 def haversine_km_each(
@@ -35,9 +32,9 @@ def haversine_km_each(
     lngs: npt.NDArray[np.float64],
 ) -> npt.NDArray[np.float64]:
     """``haversine_km_many(*origins[j], ...)`` for each j over its ``counts[j]`` points (all
-    of them one after another in ``lats``, ``lngs``), in one vectorised pass and bit for bit
-    the same: each origin's radians and cosine come from ``math`` there as here, and every
-    array operation acts element by element."""
+    of them one after another in ``lats``, ``lngs``), in one vectorised pass: each origin's
+    radians and cosine come from ``math``, and every array operation acts element by element,
+    so each distance has the same bits whichever origins share the call."""
     p1 = np.repeat([math.radians(lat) for lat, _ in origins], counts)
     cos_p1 = np.repeat([math.cos(math.radians(lat)) for lat, _ in origins], counts)
     lng1 = np.repeat([lng for _, lng in origins], counts)

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from cache import boot
-from cache.stores import LmdbByteStore, build_store
-from proxy.settings import Settings
+from cache.stores import LmdbByteStore
+from proxy.services import build_tiers
+from tests.conftest import make_settings
 from tests.test_cache_crash import python_child
 
 ENTRIES = [(f"ns:{i:04d}", bytes([i % 251]) * 64) for i in range(500)]
@@ -134,18 +135,12 @@ def test_kill_9_of_an_unsynced_writer_loses_no_acknowledged_entry(tmp_path: Path
 
 
 def test_the_setting_reaches_the_store(tmp_path: Path) -> None:
-    settings = Settings(data_dir=tmp_path, lmdb_fsync_every_s=2.0)
-    tiers = build_store(
-        "lmdb",
-        memory_bytes=0,
-        data_dir=settings.data_dir,
-        lmdb_fsync_every_s=settings.lmdb_fsync_every_s,
-    )
+    tiers = build_tiers(make_settings(tmp_path / "timed", lmdb_fsync_every_s=2.0))
     store = tiers.store
     assert isinstance(store, LmdbByteStore)
     assert store._syncer is not None and not store._env.flags()["sync"]
     tiers.close()
-    plain = build_store("lmdb", memory_bytes=0, data_dir=tmp_path / "plain")
+    plain = build_tiers(make_settings(tmp_path / "plain"))
     assert isinstance(plain.store, LmdbByteStore)
     assert plain.store._syncer is None and plain.store._env.flags()["sync"]
     plain.close()
