@@ -28,7 +28,7 @@ import importlib
 import logging
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import faiss
@@ -93,15 +93,21 @@ def why_no_device(device: str) -> str | None:
 
 
 @dataclass(frozen=True)
-class Query:
-    """One order of a batch, as ``DeviceFleet.first_pass`` needs it."""
+class Orders:
+    """A batch of orders as ``DeviceFleet.first_pass`` needs them, one row per order."""
 
-    centre: npt.NDArray[np.float64]  # unit 3-vector of the pickup
-    limit: float  # cos(radius / R)
-    mask: int  # constraint bits every candidate must have
-    cargo: tuple[float, float, float] | None  # weight, volume, height
-    vector: npt.NDArray[np.float32]  # the order's unit embedding
-    k: int
+    centres: npt.NDArray[np.float64]  # (m, 3) unit 3-vectors of the pickups
+    limits: npt.NDArray[np.float64]  # cos(radius / R)
+    masks: npt.NDArray[np.int64]  # constraint bits every candidate must have (uint64 bits)
+    cargo: npt.NDArray[np.float64]  # (m, 3) weight, volume, height needed; -inf: no cargo
+    vectors: npt.NDArray[np.float32]  # (m, dim) the orders' unit embeddings
+    ks: npt.NDArray[np.int64]
+
+    def __len__(self) -> int:
+        return len(self.ks)
+
+    def take(self, rows: slice | npt.NDArray[np.int64]) -> Orders:
+        return Orders(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
 
 
 @dataclass(frozen=True)
@@ -148,8 +154,13 @@ class DeviceFleet:
         self._kernel: Any = _rank_kernel() if cuda else None
 
     def error(self, query: npt.NDArray[np.float32]) -> float:
-        """A bound on |device score - exact score| for ``query`` and any unit driver vector
-        x (||x|| <= 1 + the table's tolerance), whatever the device's summation order.
+        """``errors`` of one query."""
+        return float(self.errors(query[None, :])[0])
+
+    def errors(self, queries: npt.NDArray[np.float32]) -> npt.NDArray[np.float64]:
+        """For each query (rows), a bound on |device score - exact score| for it and any unit
+        driver vector x (||x|| <= 1 + the table's tolerance), whatever the device's summation
+        order.
 
         Both vectors are rounded to float16 (u16 = 2**-11 relative, or 2**-25 absolute
         where a component is subnormal): the products of the rounded vectors differ from the
@@ -160,7 +171,8 @@ class DeviceFleet:
         cores that truncate, or align a block of products before adding, stay inside it.
         """
         u16, tiny, d = 2.0**-11, 2.0**-25, self.dim
-        qn = math.sqrt(float(np.dot(query.astype(np.float64), query.astype(np.float64))))
+        q = queries.astype(np.float64)
+        qn = np.sqrt(np.einsum("ij,ij->i", q, q))
         xn = self._norm_max
         rounding = (2 * u16 + u16 * u16) * qn * xn + tiny * (1 + u16) * math.sqrt(d) * (qn + xn)
         gamma = (d + 2) * _U_SUM / (1.0 - (d + 2) * _U_SUM)
@@ -209,57 +221,78 @@ class DeviceFleet:
         self._rows = n
         self._stale, self._vectors_stale = set(), set()
 
-    def first_pass(self, queries: list[Query]) -> list[Passed]:
-        """The batch's first pass (module and class docstrings); one answer per query, in
+    def first_pass(self, orders: Orders) -> list[Passed]:
+        """The batch's first pass (module and class docstrings); one answer per order, in
         order."""
         if self._rows == 0:
-            empty = np.zeros(0, dtype=np.int64)
-            return [Passed(0, empty, empty) for _ in queries]
+            return [Passed(0, _NONE, _NONE) for _ in range(len(orders))]
         out: list[Passed | None] = []
-        for start in range(0, len(queries), _MAX_BATCH):
-            out += self._top_pass(queries[start : start + _MAX_BATCH])
-        redo = [i for i, p in enumerate(out) if p is None]
-        if redo:
-            self.dense_orders += len(redo)
-            for i, passed in zip(redo, self._dense_pass([queries[i] for i in redo]), strict=True):
+        for start in range(0, len(orders), _MAX_BATCH):
+            out += self._top_pass(orders.take(slice(start, start + _MAX_BATCH)))
+        redo = np.array([i for i, p in enumerate(out) if p is None], dtype=np.int64)
+        if redo.size:
+            self.dense_orders += redo.size
+            for i, passed in zip(redo.tolist(), self._dense_pass(orders.take(redo)), strict=True):
                 out[i] = passed
         return [p for p in out if p is not None]
 
     # -- the two passes ------------------------------------------------------------------------
 
-    def _top_pass(self, queries: list[Query]) -> list[Passed | None]:
+    def _top_pass(self, orders: Orders) -> list[Passed | None]:
         """Each order's ``K`` best sure candidates; None where the dense pass must answer."""
-        size = _bucket(len(queries), 1)
-        k_top = _bucket(2 * max(x.k for x in queries), _LEAST_K)
+        size = _bucket(len(orders), 1)
+        k_top = _bucket(2 * int(orders.ks.max()), _LEAST_K)
         if k_top > self._capacity():
-            return [None] * len(queries)
+            return [None] * len(orders)
         try:
-            values, slots, inside, near = self._step(size, k_top).run(queries)
+            values, slots, inside, near = self._step(size, k_top).run(orders)
         except Exception:  # the kernel does not build or run here: torch operations instead
             if self._kernel is None:
                 raise
             _log.warning("the top pass's Triton kernel failed; torch runs it", exc_info=True)
             self._kernel = None
             self._steps.clear()
-            values, slots, inside, near = self._step(size, k_top).run(queries)
-        out: list[Passed | None] = []
-        for j, x in enumerate(queries):
-            # Ahead: the drivers near the edge (inf: eligible, float32 max: not), then the
-            # eligible drivers surely inside by score, then -inf.
-            nb = int(near[j])
-            if nb + x.k > k_top or (nb and values[j, nb - 1] < _NOT_ELIGIBLE):
-                out.append(None)  # not all of them fit
-                continue
-            real = values[j, nb:]
-            bar = self._bar32(float(real[x.k - 1]), x.vector)
-            keep = (real >= bar) & (real > -np.inf)
-            if keep[-1]:  # the survivors may not end within K
-                out.append(None)
-                continue
-            band = slots[j, :nb]
-            kept = np.concatenate([slots[j, nb:][keep], band[values[j, :nb] == np.inf]])
-            out.append(Passed(int(inside[j]), np.sort(band), np.sort(kept)))
+            values, slots, inside, near = self._step(size, k_top).run(orders)
+        # Per order: the drivers near the edge (inf: eligible, float32 max: not), then the
+        # eligible drivers surely inside by score, then -inf. Most orders have nobody near the
+        # edge: theirs are decided together, the others one by one.
+        out: list[Passed | None] = [None] * len(orders)
+        alone = near > 0
+        for j in np.flatnonzero(alone).tolist():
+            out[j] = self._edge_order(j, orders, values[j], slots[j], int(inside[j]), int(near[j]))
+        rows = np.flatnonzero(~alone)
+        values, slots = values[rows], slots[rows]
+        bars = self._bars(values[np.arange(rows.size), orders.ks[rows] - 1], orders.vectors[rows])
+        keep = (values >= bars[:, None]) & (values > -np.inf)
+        kept = np.where(keep, slots, np.iinfo(np.int64).max)
+        kept.sort(axis=1)
+        counts, full = keep.sum(axis=1).tolist(), keep[:, -1].tolist()
+        for i, j in enumerate(rows.tolist()):
+            if not full[i]:  # else the survivors may not end within K
+                out[j] = Passed(int(inside[j]), _NONE, kept[i, : counts[i]])
         return out
+
+    def _edge_order(
+        self,
+        j: int,
+        orders: Orders,
+        values: npt.NDArray[np.float32],
+        slots: npt.NDArray[np.int64],
+        inside: int,
+        nb: int,
+    ) -> Passed | None:
+        """``_top_pass``'s answer for order ``j``, which has ``nb`` drivers near its edge."""
+        k = int(orders.ks[j])
+        if nb + k > len(values) or values[nb - 1] < _NOT_ELIGIBLE:
+            return None  # not all of them fit
+        real = values[nb:]
+        bar = self._bars(real[k - 1 : k], orders.vectors[j : j + 1])[0]
+        keep = (real >= bar) & (real > -np.inf)
+        if keep[-1]:  # the survivors may not end within K
+            return None
+        band = slots[:nb]
+        kept = np.concatenate([slots[nb:][keep], band[values[:nb] == np.inf]])
+        return Passed(inside, np.sort(band), np.sort(kept))
 
     def _step(self, size: int, k_top: int) -> _TopStep:
         step = self._steps.get((size, k_top))
@@ -285,20 +318,19 @@ class DeviceFleet:
         counts = torch.stack([inside, near], dim=1)
         return torch.cat([values.double(), slots.double(), counts.double()], dim=1)
 
-    def pack(self, host: npt.NDArray[np.int64], queries: list[Query]) -> None:
+    def pack(self, host: npt.NDArray[np.int64], orders: Orders) -> None:
         """The orders as both passes read them, one row of int64 words each (``host`` has
         at least as many rows; rows past the orders are padding that matches nobody): the
         vector (float32), then float64 words: centre x, y, z, hi, lo, the cargo needs, then
         the constraint bits."""
-        half, m = (self.dim + 1) // 2, len(queries)
+        half, m = (self.dim + 1) // 2, len(orders)
         words = host[:, half:].view(np.float64)
-        host[:, :half].view(np.float32)[:m, : self.dim] = np.stack([x.vector for x in queries])
-        limits = np.array([x.limit for x in queries])
-        words[:m, :3] = np.stack([x.centre for x in queries])
-        words[:m, 3] = limits + self._band  # at least this: surely inside
-        words[:m, 4] = limits - self._band  # above this and not inside: near the edge
-        words[:m, 5:8] = [x.cargo or (-np.inf, -np.inf, -np.inf) for x in queries]
-        host[:m, half + 8] = [_signed(x.mask) for x in queries]
+        host[:, :half].view(np.float32)[:m, : self.dim] = orders.vectors
+        words[:m, :3] = orders.centres
+        words[:m, 3] = orders.limits + self._band  # at least this: surely inside
+        words[:m, 4] = orders.limits - self._band  # above this and not inside: near the edge
+        words[:m, 5:8] = orders.cargo
+        host[:m, half + 8] = orders.masks
         host[m:] = 0
         words[m:, 3:5] = np.inf  # padding: nobody inside, nobody near
 
@@ -329,13 +361,13 @@ class DeviceFleet:
         ranked = torch.where(near, flags, ranked)
         return ranked, inside.sum(dim=1), near.sum(dim=1)
 
-    def _dense_pass(self, queries: list[Query]) -> list[Passed]:
+    def _dense_pass(self, orders: Orders) -> list[Passed]:
         """Every survivor of each order, whatever their number: the top pass's ranking
         values (``_ranked``), a top-k of the scores to set each order's bar, and one copy back
         of what passed."""
-        torch, n, m = self._torch, self._rows, len(queries)
+        torch, n, m = self._torch, self._rows, len(orders)
         host = np.zeros((m, self._width()), dtype=np.int64)
-        self.pack(host, queries)
+        self.pack(host, orders)
         q, f, mask = self._unpack(torch.from_numpy(host).to(self.device))
         with _exact_products(torch):
             scores = self._scores(q)
@@ -343,13 +375,10 @@ class DeviceFleet:
         ranked = ranked[:, :n]
         near = ranked >= _NOT_ELIGIBLE  # the sentinels: available drivers near the edge
         real = torch.where(near, -torch.inf, ranked)  # eligible and surely inside: scores
-        k_max = min(max(x.k for x in queries), n)
+        k_max = min(int(orders.ks.max()), n)
         best = real.topk(k_max, dim=1).values.cpu().numpy()
-        bars = [
-            self._bar32(float(best[j, min(x.k, k_max) - 1]), x.vector)
-            for j, x in enumerate(queries)
-        ]
-        bar = torch.tensor(np.array(bars, dtype=np.float32)[:, None], device=self.device)
+        kth = best[np.arange(m), np.minimum(orders.ks, k_max) - 1]
+        bar = torch.from_numpy(self._bars(kth, orders.vectors)[:, None]).to(self.device)
         keep = ((real >= bar) & (real > -torch.inf)) | (ranked == torch.inf)
         kept, near_at_all = torch.nonzero(keep).cpu().numpy(), torch.nonzero(near).cpu().numpy()
         counts = inside.cpu().numpy()
@@ -380,14 +409,16 @@ class DeviceFleet:
             return torch.mm(q.half(), vectors.T, out_dtype=torch.float32)
         return q.half().float() @ vectors.float().T
 
-    def _bar32(self, kth: float, vector: npt.NDArray[np.float32]) -> np.float32:
-        """The score a driver must reach (as float32 on the device) to be kept, given the
-        k-th best device score: k-th minus twice ``error``, in float64 and then rounded down
-        to float32, so that comparing float32 scores with it keeps everyone the float64
-        comparison keeps."""
-        if not np.isfinite(kth):
-            return np.float32(-np.inf)
-        return np.nextafter(np.float32(kth - 2.0 * self.error(vector)), np.float32(-np.inf))
+    def _bars(
+        self, kth: npt.NDArray[np.float32], vectors: npt.NDArray[np.float32]
+    ) -> npt.NDArray[np.float32]:
+        """The score a driver must reach (as float32 on the device) to be kept, for each
+        order given its k-th best device score and its vector: k-th minus twice ``error``,
+        in float64 and then rounded down to float32, so that comparing float32 scores with it
+        keeps everyone the float64 comparison keeps; -inf where there is no k-th."""
+        bars = (kth.astype(np.float64) - 2.0 * self.errors(vectors)).astype(np.float32)
+        bars = np.nextafter(bars, np.float32(-np.inf))
+        return np.where(np.isfinite(kth), bars, np.float32(-np.inf))
 
     # -- the mirror ----------------------------------------------------------------------------
 
@@ -395,21 +426,22 @@ class DeviceFleet:
         return 0 if not self._tensors else int(self._tensors["cbits"].shape[0])
 
     def _put(self, slots: npt.NDArray[np.int64], values: Columns) -> None:
+        """The slots' columns, in one copy to the device (and the vectors in another)."""
         torch, t = self._torch, self._tensors
-        idx = torch.from_numpy(slots).to(self.device)
-        if "available" in values:  # folded into xyz: NaN where no available driver is
-            values = dict(values)
-            xyz = np.array(values.pop("xyz"), dtype=np.float64)
-            xyz[~values.pop("available")] = np.nan
-            values["xyz"] = xyz
-        for name, a in values.items():
-            if name == "cbits":  # the same bits as int64: torch has no uint64 bitwise and
-                a = a.view(np.int64)
-            host = torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
-            if name in ("xyz", "cargo"):  # stored by column
-                t[name][:, idx] = host.T
-            else:
-                t[name][idx] = host.to(t[name].dtype)
+        host = np.empty((slots.size, 8), dtype=np.float64)  # slot, x, y, z, cargo, cbits
+        words = host.view(np.int64)
+        words[:, 0] = slots
+        host[:, 1:4] = values["xyz"]
+        host[:, 1:4][~values["available"]] = np.nan  # NaN where no available driver is
+        host[:, 4:7] = values["cargo"]
+        words[:, 7] = values["cbits"].view(np.int64)  # torch has no uint64 bitwise and
+        dev = torch.from_numpy(host).to(self.device)
+        idx = dev.view(torch.int64)[:, 0]
+        t["xyz"][:, idx] = dev[:, 1:4].T
+        t["cargo"][:, idx] = dev[:, 4:7].T
+        t["cbits"][idx] = dev.view(torch.int64)[:, 7]
+        if "vectors" in values:
+            t["vectors"][idx] = torch.from_numpy(values["vectors"]).to(self.device).half()
 
 
 class _TopStep:
@@ -440,11 +472,11 @@ class _TopStep:
             with capture, _exact_products(torch):
                 self.outputs = fleet.top_tensors(self.inputs, k_top)
 
-    def run(self, queries: list[Query]) -> tuple[npt.NDArray[Any], ...]:
+    def run(self, orders: Orders) -> tuple[npt.NDArray[Any], ...]:
         """Per order: its K values (float32), their slots, the counts inside and near."""
         torch, fleet, k_top = self.fleet._torch, self.fleet, self.k_top
-        m = len(queries)
-        fleet.pack(self.host_in.numpy(), queries)
+        m = len(orders)
+        fleet.pack(self.host_in.numpy(), orders)
         self.inputs.copy_(self.host_in, non_blocking=True)
         if self.graph is not None:
             self.graph.replay()
@@ -468,6 +500,8 @@ _MAX_BATCH = 64  # orders in one top pass; larger batches take several
 _LEAST_K = 64  # K at least this (near-ties of real embeddings fit)
 _BLOCK = 1024  # the mirror's capacity is a multiple of this (``_top``'s blocks)
 _NOT_ELIGIBLE = float(np.finfo(np.float32).max)  # a driver near the edge, not eligible
+_NONE = np.zeros(0, dtype=np.int64)  # no slots (shared: read-only)
+_NONE.setflags(write=False)
 _U_SUM = 2.0**-20  # the unit roundoff ``DeviceFleet.error`` allows the device's float32 sums
 
 
@@ -519,8 +553,3 @@ def _exact_products(torch: Any) -> Iterator[None]:
     finally:
         torch.set_float32_matmul_precision(precision)
         cuda.allow_fp16_reduced_precision_reduction = reduced
-
-
-def _signed(mask: int) -> int:
-    """A 64-bit mask as the int64 with the same bits (torch has no uint64 bitwise and)."""
-    return mask - (1 << 64) if mask >= 1 << 63 else mask

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import faiss
 import numpy as np
@@ -40,8 +41,7 @@ _EXACT_UP_TO = 512
 _SORT_UP_TO = 64
 
 
-@dataclass(frozen=True)
-class Candidate:
+class Candidate(NamedTuple):  # a tuple: a batch builds hundreds, and a tuple is built fastest
     driver_id: str
     vehicle_id: str
     similarity: float
@@ -156,6 +156,47 @@ def best_scored(
     if slots.size > k:  # only the k best and those tied with the k-th can be chosen
         chosen = np.flatnonzero(sims >= -np.partition(-sims, k - 1)[k - 1])
     return top(slots[chosen], sims[chosen], distances(chosen), k, ids, vehicles)
+
+
+def best_scored_many(
+    slots: Slots,
+    sims: Vectors,
+    dist: Distances,
+    sizes: Sequence[int],
+    ks: Sequence[int],
+    ids: Sequence[str],
+    vehicles: Sequence[str],
+) -> list[list[Candidate]]:
+    """``best_scored`` of several orders at once: ``slots``, their exact scores ``sims`` and
+    distances ``dist`` hold each order's candidates one after another (``sizes[j]`` of them
+    for order j, who wants ``ks[j]``). One sort orders them all by (order, similarity desc,
+    distance asc); an order whose top k holds an exact (similarity, distance) tie, or one
+    with the next candidate, has its driver_ids decide, through ``best_scored`` alone."""
+    m = len(sizes)
+    row = np.repeat(np.arange(m), sizes)  # the order of each candidate, non-decreasing
+    at = np.lexsort((dist, -sims, row))  # rows stay where they were, each sorted
+    s, d = sims[at], dist[at]
+    starts = np.cumsum(sizes) - sizes
+    taken = np.arange(row.size) - starts[row] < np.asarray(ks, dtype=np.int64)[row]
+    tied = (row[1:] == row[:-1]) & (s[1:] == s[:-1]) & (d[1:] == d[:-1]) & taken[:-1]
+    alone = set(row[:-1][tied].tolist())
+    chosen = at[taken]
+    found = [
+        Candidate(ids[slot], vehicles[slot], sim, km)
+        for slot, sim, km in zip(
+            slots[chosen].tolist(), sims[chosen].tolist(), dist[chosen].tolist(), strict=True
+        )
+    ]
+    out, start = [], 0
+    for j, (size, k) in enumerate(zip(sizes, ks, strict=True)):
+        n = min(size, k)
+        if j in alone:
+            a, b = int(starts[j]), int(starts[j]) + size
+            out.append(best_scored(slots[a:b], sims[a:b], dist[a:b].__getitem__, k, ids, vehicles))
+        else:
+            out.append(found[start : start + n])
+        start += n
+    return out
 
 
 def may_reach_top(

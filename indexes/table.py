@@ -507,7 +507,7 @@ class FleetTable:
             self._device.sync(len(self), self._device_columns)
             here = [i for i, nm in enumerate(names) if set(nm) <= set(self._constraints)]
             mine, their_qs = [orders[i] for i in here], [qs[i] for i in here]
-            batch = self._device_queries(mine, [names[i] for i in here], their_qs)
+            batch = self._device_orders(mine, [names[i] for i in here], their_qs)
             done = self._finish_on_device(mine, their_qs, self._device.first_pass(batch))
             out: list[Recommendation | None] = [None] * len(orders)
             for i, answer in zip(here, done, strict=True):
@@ -674,32 +674,35 @@ class FleetTable:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _device_queries(
+    def _device_orders(
         self, orders: list[Order], names: list[list[str]], qs: list[Vectors]
-    ) -> list[gpu_module.Query]:
+    ) -> gpu_module.Orders:
         lats = np.array([o.pickup.lat for o in orders], dtype=np.float64)
         lngs = np.array([o.pickup.lng for o in orders], dtype=np.float64)
-        centres = unit_vectors(lats, lngs)
-        return [
-            gpu_module.Query(
-                centre=centres[j],
-                limit=math.cos(order.radius_km / EARTH_RADIUS_KM),
-                mask=sum(1 << self._constraints.index(n) for n in names[j]),
-                cargo=None
-                if order.cargo is None
-                else (order.cargo.weight_kg, order.cargo.volume_m3, order.cargo.height_m),
-                vector=qs[j],
-                k=order.k,
-            )
-            for j, order in enumerate(orders)
-        ]
+        index = self._constraints.index
+        masks = [sum(1 << index(n) for n in nm) for nm in names]
+        none = (-np.inf, -np.inf, -np.inf)
+        return gpu_module.Orders(
+            centres=unit_vectors(lats, lngs),
+            limits=np.array([math.cos(o.radius_km / EARTH_RADIUS_KM) for o in orders]),
+            masks=np.array(masks, dtype=np.uint64).view(np.int64),  # torch has no uint64 and
+            cargo=np.array(
+                [
+                    none if (c := o.cargo) is None else (c.weight_kg, c.volume_m3, c.height_m)
+                    for o in orders
+                ],
+                dtype=np.float64,
+            ).reshape(len(orders), 3),
+            vectors=np.stack(qs) if qs else np.zeros((0, self._dim), dtype=np.float32),
+            ks=np.array([o.k for o in orders], dtype=np.int64),
+        )
 
     def _finish_on_device(
         self, orders: list[Order], qs: list[Vectors], passed: list[gpu_module.Passed]
     ) -> list[Recommendation]:
         """The answers from a first pass on the device: the haversine test for the drivers
-        near each circle, then exact scores (one FAISS call for the batch) and distances on
-        the CPU as ``recommend``."""
+        near each circle, then exact scores (one FAISS call for the batch), distances and the
+        ranking of every order's survivors together, on the CPU, as ``recommend``."""
         cols, kept, outside = self._cols, [], []  # outside: how many near the edge are out
         for order, p in zip(orders, passed, strict=True):
             slots, out = p.slots, p.band[:0]
@@ -710,21 +713,28 @@ class FleetTable:
                 slots = slots[~np.isin(slots, out)]
             kept.append(slots)
             outside.append(out.size)
-        sims = ranking.inner_products_many(self._rows(), qs, kept)
+        sizes = [s.size for s in kept]
         everyone = np.concatenate(kept) if kept else np.zeros(0, dtype=np.int64)
+        sims = ranking.inner_products_many(self._rows(), qs, kept)
         far = haversine_km_each(  # every survivor's distance, in one pass
             [(o.pickup.lat, o.pickup.lng) for o in orders],
-            [s.size for s in kept],
+            sizes,
             cols.lat[everyone],
             cols.lng[everyone],
         )
-        answers, start = [], 0
-        for order, p, slots, s, gone in zip(orders, passed, kept, sims, outside, strict=True):
-            d = far[start : start + slots.size]
-            start += slots.size
-            best = ranking.best_scored(slots, s, d.__getitem__, order.k, self._ids, self._vehicles)
-            answers.append(Recommendation(best, p.inside + p.band.size - gone))
-        return answers
+        best = ranking.best_scored_many(
+            everyone,
+            np.concatenate(sims) if sims else np.zeros(0, dtype=np.float32),
+            far,
+            sizes,
+            [o.k for o in orders],
+            self._ids,
+            self._vehicles,
+        )
+        return [
+            Recommendation(b, p.inside + p.band.size - gone)
+            for b, p, gone in zip(best, passed, outside, strict=True)
+        ]
 
     def _device_columns(self, slots: Slots, with_vectors: bool) -> gpu_module.Columns:
         cols = self._cols

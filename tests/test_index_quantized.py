@@ -149,3 +149,31 @@ def test_the_first_pass_never_changes_an_answer(data: st.DataObject) -> None:
                 assert_recommendation(
                     want, considered, expected, o.k, sim_tol=1e-5, score=scorer(table, q)
                 )
+
+
+@PROPERTY
+@given(st.data())
+def test_many_orders_ranked_together_as_each_alone(data: st.DataObject) -> None:
+    """``best_scored_many`` == ``best_scored`` per order, with exact (similarity, distance)
+    ties inside the top k, at its edge and beyond it, where driver_id decides."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
+    ids = [f"d{i:03d}" for i in rng.permutation(200)]
+    vehicles = [f"v{i}" for i in range(200)]
+    sizes = data.draw(st.lists(st.integers(0, 40), min_size=1, max_size=8), label="sizes")
+    ks = [data.draw(st.integers(1, 12), label="k") for _ in sizes]
+    slots = np.concatenate([rng.choice(200, size=n, replace=False) for n in sizes])
+    few = data.draw(st.booleans(), label="few values")  # few: many exact ties
+    sims = (rng.integers(0, 3, slots.size) / 4 if few else rng.random(slots.size)).astype(
+        np.float32
+    )
+    dist = rng.integers(0, 3, slots.size) / 2 if few else rng.random(slots.size)
+    got = ranking.best_scored_many(slots, sims, dist, sizes, ks, ids, vehicles)
+    start = 0
+    for size, k, answer in zip(sizes, ks, got, strict=True):
+        part = slice(start, start + size)
+        start += size
+        alone = ranking.best_scored(
+            slots[part], sims[part], dist[part].__getitem__, k, ids, vehicles
+        )
+        assert answer == alone
+        assert len(answer) == min(size, k)
