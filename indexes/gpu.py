@@ -193,6 +193,8 @@ class DeviceFleet:
         """Bring the mirror up to date for ``n`` slots; ``read(slots, with_vectors)`` gives
         the host values of those slots (``Columns``; "vectors" only ``with_vectors``)."""
         torch, dev = self._torch, self.device
+        if n == self._rows and self._stale is not None and not self._stale:
+            return  # nothing changed since the last batch
         if n > self._capacity():
             self.touch_all()
         if self._stale is None:

@@ -246,26 +246,26 @@ def top(
 
 def inner_products(rows: Vectors, query: Vectors, slots: Slots) -> Vectors:
     """rows[slots] @ query in float32 with FAISS's kernel, reading the rows in place."""
-    return inner_products_many(rows, [query], [slots])[0]
+    return inner_products_many(rows, query[None, :], [slots])
 
 
-def inner_products_many(
-    rows: Vectors, queries: Sequence[Vectors], slots: Sequence[Slots]
-) -> list[Vectors]:
-    """rows[slots[i]] @ queries[i] for each i, in one call of FAISS's kernel (each product
-    the same bits as alone: the kernel computes every pair on its own).
+def inner_products_many(rows: Vectors, queries: Vectors, slots: Sequence[Slots]) -> Vectors:
+    """rows[slots[i]] @ queries[i] for each query (rows of ``queries``), one after another,
+    in one call of FAISS's kernel (each product the same bits as alone: the kernel computes
+    every pair on its own).
 
     One OpenMP thread: the kernel opens a parallel region over its queries, and on a busy
     2-core machine waiting for the second thread to wake up stalled calls for 10-150 ms.
     (``omp_set_num_threads`` applies to the calling thread only; restored after.)
     """
-    width = max((len(s) for s in slots), default=0)
+    sizes = np.array([len(s) for s in slots], dtype=np.int64)
+    width = int(sizes.max(initial=0))
     if width == 0:
-        return [np.zeros(0, dtype=np.float32) for _ in slots]
+        return np.zeros(0, dtype=np.float32)
+    used = np.arange(width) < sizes[:, None]  # row-major: the slots one after another
     ids = np.full((len(slots), width), -1, dtype=np.int64)  # -1: no product (FAISS: -inf)
-    for i, s in enumerate(slots):
-        ids[i, : len(s)] = s
-    x = np.ascontiguousarray(np.stack(queries), dtype=np.float32)
+    ids[used] = np.concatenate(slots)
+    x = np.ascontiguousarray(queries, dtype=np.float32)
     out = np.empty((len(slots), width), dtype=np.float32)
     threads = faiss.omp_get_max_threads()
     faiss.omp_set_num_threads(1)
@@ -281,4 +281,4 @@ def inner_products_many(
         )
     finally:
         faiss.omp_set_num_threads(threads)
-    return [out[i, : len(s)] for i, s in enumerate(slots)]
+    return out[used]

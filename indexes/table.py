@@ -508,7 +508,7 @@ class FleetTable:
             here = [i for i, nm in enumerate(names) if set(nm) <= set(self._constraints)]
             mine, their_qs = [orders[i] for i in here], [qs[i] for i in here]
             batch = self._device_orders(mine, [names[i] for i in here], their_qs)
-            done = self._finish_on_device(mine, their_qs, self._device.first_pass(batch))
+            done = self._finish_on_device(mine, batch.vectors, self._device.first_pass(batch))
             out: list[Recommendation | None] = [None] * len(orders)
             for i, answer in zip(here, done, strict=True):
                 out[i] = answer
@@ -698,7 +698,7 @@ class FleetTable:
         )
 
     def _finish_on_device(
-        self, orders: list[Order], qs: list[Vectors], passed: list[gpu_module.Passed]
+        self, orders: list[Order], qs: Vectors, passed: list[gpu_module.Passed]
     ) -> list[Recommendation]:
         """The answers from a first pass on the device: the haversine test for the drivers
         near each circle, then exact scores (one FAISS call for the batch), distances and the
@@ -715,7 +715,7 @@ class FleetTable:
             outside.append(out.size)
         sizes = [s.size for s in kept]
         everyone = np.concatenate(kept) if kept else np.zeros(0, dtype=np.int64)
-        sims = ranking.inner_products_many(self._rows(), qs, kept)
+        sims = ranking.inner_products_many(self._rows(), qs, kept)  # one after another
         far = haversine_km_each(  # every survivor's distance, in one pass
             [(o.pickup.lat, o.pickup.lng) for o in orders],
             sizes,
@@ -724,7 +724,7 @@ class FleetTable:
         )
         best = ranking.best_scored_many(
             everyone,
-            np.concatenate(sims) if sims else np.zeros(0, dtype=np.float32),
+            sims,
             far,
             sizes,
             [o.k for o in orders],
