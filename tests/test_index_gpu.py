@@ -337,7 +337,7 @@ def test_the_fused_kernel_ranks_as_the_torch_operations() -> None:
     table.recommend_many(orders_, [quantized_unit(1)] * len(orders_))  # the mirror synced
     names = [list(o.constraints) for o in orders_]
     step = gpu._TopStep(fleet, 8, 64)
-    step.run(table._device_queries(orders_, names, [quantized_unit(1)] * len(orders_)))
+    step.run(table._device_orders(orders_, names, [quantized_unit(1)] * len(orders_)))
     q, params, mask = fleet._unpack(step.inputs)
     scores = fleet._scores(q)
     t = fleet._tensors
