@@ -199,7 +199,7 @@ class DeviceFleet:
             self.touch_all()
         if self._stale is None:
             cap = -(-max(n, 2 * self._capacity(), 1024) // _BLOCK) * _BLOCK
-            self._steps.clear()  # their graphs read the tensors replaced here
+            self._drop_steps()  # their graphs read the tensors replaced here
             self._tensors = {
                 "vectors": torch.zeros((cap, self.dim), dtype=torch.float16, device=dev),
                 # NaN where no available driver is (nothing compares true with it)
@@ -253,7 +253,7 @@ class DeviceFleet:
                 raise
             _log.warning("the top pass's Triton kernel failed; torch runs it", exc_info=True)
             self._kernel = None
-            self._steps.clear()
+            self._drop_steps()
             values, slots, inside, near = self._step(size, k_top).run(orders)
         # Per order: the drivers near the edge (inf: eligible, float32 max: not), then the
         # eligible drivers surely inside by score, then -inf. Most orders have nobody near the
@@ -295,6 +295,14 @@ class DeviceFleet:
         band = slots[:nb]
         kept = np.concatenate([slots[nb:][keep], band[values[:nb] == np.inf]])
         return Passed(inside, np.sort(band), np.sort(kept))
+
+    def _drop_steps(self) -> None:
+        """Forget every captured pass. Their memory pool goes with the last of them, so
+        later captures take a new one (torch's allocator asserts on capturing into a pool
+        whose graphs are all gone)."""
+        self._steps.clear()
+        if self.device.type == "cuda":
+            self.graph_pool = self._torch.cuda.graph_pool_handle()
 
     def _step(self, size: int, k_top: int) -> _TopStep:
         step = self._steps.get((size, k_top))

@@ -379,3 +379,41 @@ def test_a_kernel_that_fails_leaves_the_top_pass_to_torch(caplog: pytest.LogCapt
     assert "Triton kernel failed" in caplog.text
     assert fleet._kernel is None
     assert on_device.recommend_many(orders_, qs) == got  # and it stays on torch
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_passes_captured_before_the_mirror_grows_are_captured_again(device: str) -> None:
+    """A fleet that outgrows the mirror after batches ran (on CUDA: after their passes were
+    captured as graphs over the old tensors) is answered exactly (GPU == CPU) by new passes,
+    of the batch sizes seen before and of new ones."""
+    device = device_or_skip(device)
+    rng = np.random.default_rng(5)
+    lat, lng = 31.2304, 121.4737
+    on_device, plain = FleetTable(DIM, device=device), FleetTable(DIM)
+
+    def upsert(recs: list[DriverRecord]) -> None:
+        vecs = np.stack([_gaussian(int(rng.integers(10**6))) for _ in recs])
+        for table in (on_device, plain):
+            table.upsert_drivers(recs, vecs)
+
+    def batches(sizes: list[int]) -> None:
+        from tests.test_index import order
+
+        for size in sizes:
+            batch = [
+                order(lat + float(rng.normal(0, 0.02)), lng, radius_km=3.0, k=5)
+                for _ in range(size)
+            ]
+            qs = [_gaussian(int(seed)) for seed in rng.integers(10**6, size=size)]
+            got = on_device.recommend_many(batch, qs)
+            assert got == [plain.recommend(o, q) for o, q in zip(batch, qs, strict=True)]
+            assert sum(len(r.candidates) for r in got) > 0
+
+    upsert(mixed_fleet(rng, 300, lat, lng, 0.03))
+    batches([3, 16])
+    device_fleet = on_device._device
+    assert device_fleet is not None
+    capacity = device_fleet._capacity()
+    upsert(mixed_fleet(rng, 2 * capacity, lat, lng, 0.03))  # the first 300 again, then new
+    batches([3, 16, 5])
+    assert device_fleet._capacity() > capacity  # the mirror was built again, larger
