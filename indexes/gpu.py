@@ -444,7 +444,7 @@ class DeviceFleet:
         host[:, 1:4] = values["xyz"]
         host[:, 1:4][~values["available"]] = np.nan  # NaN where no available driver is
         host[:, 4:7] = values["cargo"]
-        words[:, 7] = values["cbits"].view(np.int64)  # torch has no uint64 bitwise and
+        words[:, 7] = values["cbits"].view(np.int64)  # the same bits: torch has no uint64 `&`
         dev = torch.from_numpy(host).to(self.device)
         idx = dev.view(torch.int64)[:, 0]
         t["xyz"][:, idx] = dev[:, 1:4].T

@@ -685,7 +685,8 @@ class FleetTable:
         return gpu_module.Orders(
             centres=unit_vectors(lats, lngs),
             limits=np.array([math.cos(o.radius_km / EARTH_RADIUS_KM) for o in orders]),
-            masks=np.array(masks, dtype=np.uint64).view(np.int64),  # torch has no uint64 and
+            # as int64 of the same bits: torch has no uint64 `&`
+            masks=np.array(masks, dtype=np.uint64).view(np.int64),
             cargo=np.array(
                 [
                     none if (c := o.cargo) is None else (c.weight_kg, c.volume_m3, c.height_m)
