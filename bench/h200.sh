@@ -32,9 +32,21 @@ case "${1:-}" in
     python3 -m bench.device_pass_bench $B --label fused 2>&1 | grep -v USDT | tee "$OUT/fused.txt"
     python3 -m bench.device_pass_bench $B --label torch-ops --torch-ops 2>&1 | grep -v USDT \
       | tee "$OUT/torch_ops.txt" ;;
+  pass-ab)  # the device pass of this checkout against OLD (another's indexes/ and features/,
+    # e.g. git archive), in turns, pinned to one core: runs of one version differ by up to
+    # 0.4 ms on that host, as much as a change
+    old=${2:?usage: bash bench/h200.sh pass-ab OLD_DIR}
+    B="--snapshot /tmp/f1m --moves 0 100 --runs 5 --batches 100 --radius 10"
+    for label in new old new old new old; do
+      P=$PWD:/tmp/site
+      if [ "$label" = old ]; then P=$old:$PWD:/tmp/site; fi
+      # by script path: ``python -m`` would put this checkout first
+      PYTHONPATH=$P taskset -c 4 python3 bench/device_pass_bench.py $B --label "$label" 2>&1 \
+        | grep -v USDT | tee -a "$OUT/pass_ab.txt"
+    done ;;
   tests)
     FLEETCACHE_GPU_MODEL=$MODEL python3 -m pytest -q -p no:cacheprovider -W ignore::UserWarning \
       -W ignore::DeprecationWarning -W ignore::FutureWarning tests/test_gpu_torch.py ;;
-  *) echo "usage: bench/h200.sh install | serve [serve_bench options] | recommend [options] | index | tests" >&2
+  *) echo "usage: bench/h200.sh install | serve [serve_bench options] | recommend [options] | index | pass-ab OLD_DIR | tests" >&2
      exit 2 ;;
 esac
