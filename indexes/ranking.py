@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple
 
 import faiss
@@ -46,6 +47,9 @@ class Candidate(NamedTuple):  # a tuple: a batch builds hundreds, and a tuple is
     vehicle_id: str
     similarity: float
     distance_km: float
+
+
+_new_candidate = partial(tuple.__new__, Candidate)  # from one (driver, vehicle, sim, km) tuple
 
 
 @dataclass(frozen=True)
@@ -180,13 +184,19 @@ def best_scored_many(
     taken = np.arange(row.size) - starts[row] < np.asarray(ks, dtype=np.int64)[row]
     tied = (row[1:] == row[:-1]) & (s[1:] == s[:-1]) & (d[1:] == d[:-1]) & taken[:-1]
     alone = set(row[:-1][tied].tolist())
-    chosen = at[taken]
-    found = [
-        Candidate(ids[slot], vehicles[slot], sim, km)
-        for slot, sim, km in zip(
-            slots[chosen].tolist(), sims[chosen].tolist(), dist[chosen].tolist(), strict=True
+    chosen = slots[at[taken]].tolist()
+    found = list(  # built in C: the generated ``Candidate.__new__`` is a Python call each
+        map(
+            _new_candidate,
+            zip(
+                map(ids.__getitem__, chosen),
+                map(vehicles.__getitem__, chosen),
+                s[taken].tolist(),
+                d[taken].tolist(),
+                strict=True,
+            ),
         )
-    ]
+    )
     out, start = [], 0
     for j, (size, k) in enumerate(zip(sizes, ks, strict=True)):
         n = min(size, k)
@@ -246,27 +256,32 @@ def top(
 
 def inner_products(rows: Vectors, query: Vectors, slots: Slots) -> Vectors:
     """rows[slots] @ query in float32 with FAISS's kernel, reading the rows in place."""
-    return inner_products_many(rows, query[None, :], [slots])
+    return inner_products_many(rows, query[None, :], slots, [slots.size])
 
 
-def inner_products_many(rows: Vectors, queries: Vectors, slots: Sequence[Slots]) -> Vectors:
-    """rows[slots[i]] @ queries[i] for each query (rows of ``queries``), one after another,
-    in one call of FAISS's kernel (each product the same bits as alone: the kernel computes
-    every pair on its own).
+def inner_products_many(
+    rows: Vectors, queries: Vectors, slots: Slots, sizes: Sequence[int]
+) -> Vectors:
+    """rows[s] @ queries[i] for the ``sizes[i]`` slots s of each query (rows of ``queries``)
+    in ``slots``, one query's after another, in one call of FAISS's kernel (each product the
+    same bits as alone: the kernel computes every pair on its own).
 
     One OpenMP thread: the kernel opens a parallel region over its queries, and on a busy
     2-core machine waiting for the second thread to wake up stalled calls for 10-150 ms.
     (``omp_set_num_threads`` applies to the calling thread only; restored after.)
     """
-    sizes = np.array([len(s) for s in slots], dtype=np.int64)
-    width = int(sizes.max(initial=0))
+    counts = np.asarray(sizes, dtype=np.int64)
+    x = np.ascontiguousarray(queries, dtype=np.float32)
+    if x.shape != (counts.size, rows.shape[1]) or slots.size != counts.sum():
+        # the kernel reads as many queries and ids as it is told: a wrong count crashes
+        raise ValueError(f"{x.shape} queries for {counts.size} groups of {slots.size} slots")
+    width = int(counts.max(initial=0))
     if width == 0:
         return np.zeros(0, dtype=np.float32)
-    used = np.arange(width) < sizes[:, None]  # row-major: the slots one after another
-    ids = np.full((len(slots), width), -1, dtype=np.int64)  # -1: no product (FAISS: -inf)
-    ids[used] = np.concatenate(slots)
-    x = np.ascontiguousarray(queries, dtype=np.float32)
-    out = np.empty((len(slots), width), dtype=np.float32)
+    used = np.arange(width) < counts[:, None]  # row-major: the slots one after another
+    ids = np.full((counts.size, width), -1, dtype=np.int64)  # -1: no product (FAISS: -inf)
+    ids[used] = slots
+    out = np.empty((counts.size, width), dtype=np.float32)
     threads = faiss.omp_get_max_threads()
     faiss.omp_set_num_threads(1)
     try:
@@ -276,7 +291,7 @@ def inner_products_many(rows: Vectors, queries: Vectors, slots: Sequence[Slots])
             faiss.swig_ptr(rows),
             faiss.swig_ptr(ids),
             x.shape[1],
-            len(slots),
+            counts.size,
             width,
         )
     finally:

@@ -506,8 +506,8 @@ class FleetTable:
         with self._lock:
             self._device.sync(len(self), self._device_columns)
             here = [i for i, nm in enumerate(names) if set(nm) <= set(self._constraints)]
-            mine, their_qs = [orders[i] for i in here], [qs[i] for i in here]
-            batch = self._device_orders(mine, [names[i] for i in here], their_qs)
+            mine = [orders[i] for i in here]
+            batch = self._device_orders(mine, [names[i] for i in here], qs[here])
             done = self._finish_on_device(mine, batch.vectors, self._device.first_pass(batch))
             out: list[Recommendation | None] = [None] * len(orders)
             for i, answer in zip(here, done, strict=True):
@@ -675,7 +675,7 @@ class FleetTable:
     # -- internals -----------------------------------------------------------------------------
 
     def _device_orders(
-        self, orders: list[Order], names: list[list[str]], qs: list[Vectors]
+        self, orders: list[Order], names: list[list[str]], qs: Vectors
     ) -> gpu_module.Orders:
         lats = np.array([o.pickup.lat for o in orders], dtype=np.float64)
         lngs = np.array([o.pickup.lng for o in orders], dtype=np.float64)
@@ -694,7 +694,7 @@ class FleetTable:
                 ],
                 dtype=np.float64,
             ).reshape(len(orders), 3),
-            vectors=np.stack(qs) if qs else np.zeros((0, self._dim), dtype=np.float32),
+            vectors=qs,
             ks=np.array([o.k for o in orders], dtype=np.int64),
         )
 
@@ -716,7 +716,7 @@ class FleetTable:
             outside.append(out.size)
         sizes = [s.size for s in kept]
         everyone = np.concatenate(kept) if kept else np.zeros(0, dtype=np.int64)
-        sims = ranking.inner_products_many(self._rows(), qs, kept)  # one after another
+        sims = ranking.inner_products_many(self._rows(), qs, everyone, sizes)
         far = haversine_km_each(  # every survivor's distance, in one pass
             [(o.pickup.lat, o.pickup.lng) for o in orders],
             sizes,
@@ -778,13 +778,14 @@ class FleetTable:
             raise VectorError(f"vectors must be L2-normalised; row {int(bad[0])} is not")
         return arr
 
-    def _check_queries(self, queries: Sequence[npt.ArrayLike]) -> list[Vectors]:
-        """``_check_query`` of each, checked together (a batch of recommends)."""
+    def _check_queries(self, queries: Sequence[npt.ArrayLike]) -> Vectors:
+        """``_check_query`` of each, checked together (a batch of recommends): one row each."""
         try:
             stacked = np.stack([np.asarray(q, dtype=np.float32) for q in queries])
-            return list(self._check_vectors(stacked, len(queries)))
+            return self._check_vectors(stacked, len(queries))
         except (VectorError, ValueError, TypeError):
-            return [self._check_query(q) for q in queries]  # the error names the bad one
+            checked = [self._check_query(q) for q in queries]  # the error names the bad one
+            return np.stack(checked) if checked else np.zeros((0, self._dim), np.float32)
 
     def _check_query(self, query: npt.ArrayLike) -> Vectors:
         try:

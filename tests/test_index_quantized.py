@@ -177,3 +177,22 @@ def test_many_orders_ranked_together_as_each_alone(data: st.DataObject) -> None:
         )
         assert answer == alone
         assert len(answer) == min(size, k)
+        assert all(type(c) is ranking.Candidate for c in answer)  # named fields, as alone
+
+
+def test_products_of_many_queries_are_each_alone_and_counts_are_checked() -> None:
+    """``inner_products_many`` == ``inner_products`` per query; counts that do not add up
+    raise (FAISS's kernel would read past the arrays it is given)."""
+    rng = np.random.default_rng(3)
+    rows = gaussian_unit(rng, 50)
+    queries = gaussian_unit(rng, 3)
+    sizes = [4, 0, 7]
+    slots = np.concatenate([rng.choice(50, size=n, replace=False) for n in sizes])
+    got = ranking.inner_products_many(rows, queries, slots, sizes)
+    parts = np.split(slots, np.cumsum(sizes)[:-1])
+    want = [ranking.inner_products(rows, q, part) for q, part in zip(queries, parts, strict=True)]
+    np.testing.assert_array_equal(got, np.concatenate(want))
+    with pytest.raises(ValueError, match="groups"):
+        ranking.inner_products_many(rows, queries[:2], slots, sizes)
+    with pytest.raises(ValueError, match="groups"):
+        ranking.inner_products_many(rows, queries, slots[:-1], sizes)
