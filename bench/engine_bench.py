@@ -12,7 +12,8 @@ by 20% from run to run. Here only the engine process runs beside its clients:
   with the packaged model's tokenizer, so that clients send token ids as workers do to the
   torch engine;
 - ``--clients`` processes, each a ``RemoteEngine`` over an ``RpcClient`` as an HTTP worker
-  holds one, keep ``--concurrency`` calls of 32 new texts in flight (dispatch, not durable).
+  holds one, keep ``--concurrency`` calls of 32 new texts in flight (dispatch, not durable),
+  each with the texts' store keys, as a worker sends those it hashed for its lookup.
 
 Prints per checkout: texts/s, and the engine process's CPU per text (its main thread, the
 loop; and the whole process), read from ``/proc`` over each run; medians of ``--runs``
@@ -75,6 +76,8 @@ def client(
     """One worker's engine calls: ``concurrency`` loops of 32 new texts until ``seconds``."""
     if pin:
         os.sched_setaffinity(0, set(range(max(1, (os.cpu_count() or 2) - 1))))
+    from cache.stores import MemoryByteStore
+    from cache.writer import VectorWriter
     from proxy.engine_host import RemoteEngine
     from proxy.ipc import RpcClient, address
     from proxy.processes import read_engine_info
@@ -86,6 +89,9 @@ def client(
         remote = RemoteEngine(rpc, read_engine_info(Path(run_dir)))
         if not remote.facts().get("tokenizer"):
             raise SystemExit("the engine names no tokenizer: the clients would send no ids")
+        # the store keys a worker hashed for its lookup go with its misses (an engine that
+        # does not read them hashes the texts again)
+        key = VectorWriter(MemoryByteStore(0), namespace=remote.facts()["namespace"]).key
         sent = 0
         until = time.monotonic() + seconds
 
@@ -100,7 +106,12 @@ def client(
                     for j in range(32)
                 ]
                 await remote.embed(
-                    texts, lane="dispatch", caller="dispatch", ttl_s={}, durable=False
+                    texts,
+                    lane="dispatch",
+                    caller="dispatch",
+                    ttl_s={},
+                    durable=False,
+                    keys=[key(t) for t in texts],
                 )
                 sent += 32
 

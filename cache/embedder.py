@@ -121,6 +121,13 @@ class _Call:
     missing: list[int] = field(default_factory=list)  # input indices the store lacked
     statuses: list[Status] = field(default_factory=list)  # per text sent to the flight
 
+    def keys_of(self, texts: Sequence[str]) -> list[str] | None:
+        """The store keys of ``texts`` from this call's lookup; None if one was not hashed."""
+        try:
+            return [self.keys[t] for t in texts]
+        except KeyError:
+            return None
+
 
 _CALL: ContextVar[_Call | None] = ContextVar("fleetcache_cache_call", default=None)
 
@@ -149,6 +156,7 @@ class _Misses(Embeddings):
             since=call.looked_up_at,
             links=call.links,
             durable=call.durable,
+            keys=call.keys_of(texts),
         )
         call.statuses += ["coalesced" if c else "miss" for c in flown.coalesced]
         return cast("list[list[float]]", list(flown.rows))
@@ -333,7 +341,7 @@ class CachedEmbedder(_AsyncEmbeddings):
             self._local = SingleFlight(
                 compute,
                 dim,
-                write_back=lambda pairs, ttl_s, links: writer.write(pairs, ttl_s, links=links),
+                write_back=writer.write_rows,
                 stats=self._stats,
                 per_item_ms=per_item_ms,
             )

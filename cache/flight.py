@@ -54,8 +54,9 @@ ComputeFn = Callable[[Sequence[str], str], Awaitable[Vectors]]
 """``async compute(texts, lane) -> (len(texts), dim) float32``; production: Batcher.submit."""
 Ttls = Mapping[str, float]  # text -> seconds, for the texts written with a TTL
 Links = Sequence[tuple[str, str, str]]  # (kind, id, text): entities whose texts these are
-WriteBackFn = Callable[[Sequence[tuple[str, Row]], Ttls, Links], Awaitable[bool]]
-"""Writes computed rows to the store; False when the store failed (absorbed)."""
+WriteBackFn = Callable[[list[str], Vectors, Ttls, list[str] | None, Links], Awaitable[bool]]
+"""``write_back(texts, rows, ttl_s, keys, links)`` writes computed rows to the store, under
+``keys`` when the callers hashed them (else None); False when the store failed (absorbed)."""
 
 
 class Flown(NamedTuple):
@@ -80,6 +81,7 @@ class Flight(Protocol):
         since: float | None = None,
         links: Links = (),
         durable: bool = True,
+        keys: Sequence[str] | None = None,
     ) -> Flown: ...
 
 
@@ -90,10 +92,11 @@ class _Flight:
     lives until (in ``recent``, after) the write-back: the engine process's loop then spent
     7-15% less CPU per new text (``bench/engine_bench.py``, docs/BENCHMARKS.md)."""
 
-    __slots__ = ("future", "row", "written", "written_at")
+    __slots__ = ("future", "keys", "row", "written", "written_at")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.row: dict[str, int] = {}  # text -> its row in ``future``'s result, in that order
+        self.keys: list[str] = []  # their store keys, in that order, when the caller gave them
         self.future: asyncio.Future[Vectors] = loop.create_future()
         self.future.add_done_callback(_retrieve)
         self.written: asyncio.Future[None] = loop.create_future()  # the write-back ended
@@ -150,18 +153,21 @@ class SingleFlight:
         since: float | None = None,
         links: Links = (),
         durable: bool = True,
+        keys: Sequence[str] | None = None,
     ) -> Flown:
         """Rows of ``texts``. ``since``: when the caller's store lookup began (monotonic).
         ``links``: entities of these texts, linked to their vectors in the write-back's own
         transaction. ``durable``: return once the rows are written back, not as soon as
-        they are computed (a caller that links entities itself needs its vectors first)."""
+        they are computed (a caller that links entities itself needs its vectors first).
+        ``keys``: the texts' store keys, when the caller hashed them for its lookup (the
+        write-back then does not hash them again)."""
         loop = asyncio.get_running_loop()
         inflight = self._inflight
         flight: _Flight | None = None  # this call's own computation, if it needs one
         waits: list[_Flight] = []  # each text's flight
         coalesced: list[bool] = []
         recent, joinable_after = self._recent, float("inf") if since is None else since
-        for text in texts:
+        for i, text in enumerate(texts):
             owner = inflight.get(text)
             if owner is None and (late := recent.get(text)) and late.written_at >= joinable_after:
                 owner = late
@@ -171,6 +177,8 @@ class SingleFlight:
                     flight = _Flight(loop)
                 owner = inflight[text] = flight
                 flight.row[text] = len(flight.row)
+                if keys is not None:
+                    flight.keys.append(keys[i])
             waits.append(owner)
         joined = sum(coalesced)
         if self._stats is not None and (joined or self._count_misses):
@@ -217,8 +225,7 @@ class SingleFlight:
             fut.set_result(rows)  # answered now; the entries stay until written back
             if self._write_back is not None:
                 try:
-                    pairs = list(zip(texts, rows, strict=True))
-                    stored = await self._write_back(pairs, ttl_s, links)
+                    stored = await self._write_back(texts, rows, ttl_s, flight.keys or None, links)
                 except Exception:  # the writer absorbs store failures; this guards bugs
                     log.exception("write-back of %d texts failed", len(texts))
         finally:

@@ -21,6 +21,7 @@ from cache.base import ErrorLog
 from cache.links import EntityLinks
 
 Row = npt.NDArray[np.float32]
+Rows = npt.NDArray[np.float32] | Sequence[Row]  # (n, dim), or n rows
 
 
 class VectorWriter:
@@ -58,26 +59,38 @@ class VectorWriter:
         keys: Mapping[str, str] | None = None,
         links: Sequence[tuple[str, str, str]] = (),
     ) -> bool:
-        """Write ``(text, row)`` pairs (a text given twice: the last row), each with its TTL
-        from ``ttl_s`` when it has one; ``keys`` are store keys the caller hashed already.
-        ``links``: ``(kind, id, text)`` of entities to link to their text's vector, in the
-        same store call as the vectors (one transaction on LMDB: a link never lands before
-        its vector); vectors the entities were linked to before are dropped after.
-        False when the store failed (absorbed and counted)."""
+        """Write ``(text, row)`` pairs (a text given twice: the last row); ``keys`` are store
+        keys the caller hashed already. Otherwise as ``write_rows``."""
         unique = dict(pairs)
-        if not unique:
+        texts, known = list(unique), keys or {}
+        hashed = [known.get(t) or self.key(t) for t in texts]
+        return await self.write_rows(texts, list(unique.values()), ttl_s, hashed, links)
+
+    async def write_rows(
+        self,
+        texts: Sequence[str],
+        rows: Rows,
+        ttl_s: Mapping[str, float],
+        keys: Sequence[str] | None = None,
+        links: Sequence[tuple[str, str, str]] = (),
+    ) -> bool:
+        """Write ``rows[i]`` as the vector of ``texts[i]`` (distinct texts), each with its TTL
+        from ``ttl_s`` when it has one; ``keys``: their store keys, when the caller hashed
+        them already. ``links``: ``(kind, id, text)`` of entities to link to their text's
+        vector, in the same store call as the vectors (one transaction on LMDB: a link never
+        lands before its vector); vectors the entities were linked to before are dropped
+        after. False when the store failed (absorbed and counted)."""
+        if not len(texts):
             return True
         now = self._wall_clock()
-        texts = list(unique)
         expiry = [None if (ttl := ttl_s.get(t)) is None else now + ttl for t in texts]
-        values = codec.encode_many(list(unique.values()), self.dtype, expires_at=expiry)
-        known = dict(keys or {})
-        for text in texts:
-            known.setdefault(text, self.key(text))
-        entries = [(known[t], v) for t, v in zip(texts, values, strict=True)]
+        values = codec.encode_many(rows, self.dtype, expires_at=expiry)
+        hashed = list(map(self.key, texts)) if keys is None else keys
+        entries = list(zip(hashed, values, strict=True))
         stale: list[str] = []
         try:
             if links:
+                known = dict(zip(texts, hashed, strict=True))
                 entities = [(kind, entity_id) for kind, entity_id, _ in links]
                 changed, stale = await self.links.plan(entities, [known[t] for *_, t in links])
                 entries += changed

@@ -146,11 +146,7 @@ class EngineHost:
         self.flight = SingleFlight(
             self._compute,
             engine.info.dim,
-            write_back=(
-                None
-                if writer is None
-                else lambda pairs, ttl_s, links: writer.write(pairs, ttl_s, links=links)
-            ),
+            write_back=None if writer is None else writer.write_rows,
             stats=stats,
             count_misses=False,  # the batcher counts them, as it hands them to the engine
             per_item_ms=lambda: batcher.per_item_ms,
@@ -171,10 +167,15 @@ class EngineHost:
         since: float | None = None,
         links: Sequence[tuple[str, str, str]] = (),
         durable: bool = True,
+        keys: Sequence[str] | None = None,
     ) -> Flown:
         """Rows of ``texts`` (the misses of some worker's cache), computed once across every
         caller in flight; ``coalesced`` marks the texts that joined another computation.
-        ``since``, ``links``, ``durable``: as ``cache.flight.SingleFlight.embed``."""
+        ``since``, ``links``, ``durable``, ``keys``: as ``cache.flight.SingleFlight.embed``
+        (keys of another namespace than this engine's are not used)."""
+        prefix = f"{self.namespace}:"
+        if keys is not None and not all(key.startswith(prefix) for key in keys):
+            keys = None
         token = _CALLER.set(caller)
         try:
             return await self.flight.embed(
@@ -185,6 +186,7 @@ class EngineHost:
                 since=since,
                 links=links,
                 durable=durable,
+                keys=keys,
             )
         finally:
             _CALLER.reset(token)
@@ -386,6 +388,7 @@ def engine_handlers(host: EngineHost, server: RpcServer) -> dict[str, Handler]:
             since=message.get("since"),
             links=[tuple(link) for link in message.get("links") or ()],
             durable=bool(message.get("durable", True)),
+            keys=message.get("keys"),
         )
         return {"coalesced": bytes(flown.coalesced)}, [rows_frame(flown.rows)]
 
@@ -451,6 +454,7 @@ class RemoteEngine:
         since: float | None = None,
         links: Sequence[tuple[str, str, str]] = (),
         durable: bool = True,
+        keys: Sequence[str] | None = None,
     ) -> Flown:
         tokens, blobs = self._token_ids(texts)
         reply, frames = await self.client.call(
@@ -464,6 +468,7 @@ class RemoteEngine:
             since=since,
             links=[list(link) for link in links],
             durable=durable,
+            keys=None if keys is None else list(keys),
         )
         return Flown(frame_rows(frames[0], self.info.dim), [bool(c) for c in reply["coalesced"]])
 

@@ -129,7 +129,10 @@ class EngineRouter:
         since: float | None = None,
         links: Sequence[tuple[str, str, str]] = (),
         durable: bool = True,
+        keys: Sequence[str] | None = None,
     ) -> Flown:
+        key_of = None if keys is None else dict(zip(texts, keys, strict=True))
+
         async def run(engine: RemoteEngine, part: list[str]) -> Flown:
             kept = set(part)
             return await engine.embed(
@@ -140,6 +143,7 @@ class EngineRouter:
                 since=since,
                 links=[link for link in links if link[2] in kept],
                 durable=durable,
+                keys=None if key_of is None else [key_of[t] for t in part],
             )
 
         return await self._spread(texts, run)

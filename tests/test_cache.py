@@ -14,6 +14,7 @@ from langchain_core.stores import BaseStore, ByteStore
 
 from cache import codec
 from cache.embedder import CachedEmbedder, EmbedResult
+from cache.flight import SingleFlight
 from cache.stores import LmdbByteStore, MemoryByteStore, TieredByteStore
 from engines.base import EngineError
 
@@ -159,6 +160,40 @@ def test_duplicates_inside_one_request_are_computed_once() -> None:
     assert result.not_sent == 2
     assert compute.calls == [(["x"], "dispatch")]
     assert_vectors(result, ["x", "x", "x"])
+
+
+def test_the_write_back_stores_each_text_under_the_key_its_caller_hashed() -> None:
+    """A caller that hashed its texts for its lookup hands the keys over: each new text is
+    written under its own key (the first caller's, for a text computed once)."""
+    written: list[tuple[list[str], list[str] | None]] = []
+
+    async def write_back(
+        texts: list[str], rows: np.ndarray, ttl_s: Any, keys: list[str] | None, links: Any
+    ) -> bool:
+        assert rows.shape == (len(texts), DIM)
+        written.append((texts, keys))
+        return True
+
+    async def scenario() -> None:
+        compute = FakeCompute()
+        compute.gate = asyncio.Event()
+        flight = SingleFlight(compute, DIM, write_back=write_back)
+        first = asyncio.ensure_future(
+            flight.embed(["a", "b", "a"], lane="dispatch", caller="c", keys=["ka", "kb", "ka"])
+        )
+        await asyncio.sleep(0)
+        others = [
+            asyncio.ensure_future(
+                flight.embed(["b", "c"], lane="dispatch", caller="c", keys=["kb", "kc"])
+            ),
+            asyncio.ensure_future(flight.embed(["d"], lane="dispatch", caller="c")),  # no keys
+        ]
+        await asyncio.sleep(0)  # all three in flight
+        compute.gate.set()
+        await asyncio.gather(first, *others)
+
+    asyncio.run(scenario())
+    assert sorted(written) == [(["a", "b"], ["ka", "kb"]), (["c"], ["kc"]), (["d"], None)]
 
 
 def test_concurrent_identical_requests_compute_once() -> None:
@@ -514,6 +549,10 @@ def test_encode_many_writes_the_same_entries_as_encode(dtype: codec.Dtype) -> No
     assert entries == [
         codec.encode(r, dtype, expires_at=e) for r, e in zip(rows, expiry, strict=True)
     ]
+    for expiries in ([None] * 6, [1.8e9 + i for i in range(6)], expiry):  # one matrix
+        assert codec.encode_many(rows, dtype, expires_at=expiries) == [
+            codec.encode(r, dtype, expires_at=e) for r, e in zip(rows, expiries, strict=True)
+        ]
     assert codec.encode_many([], dtype, expires_at=[]) == []
     with pytest.raises(ValueError):
         codec.encode_many(list(rows), dtype, expires_at=[None])
