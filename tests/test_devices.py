@@ -329,3 +329,29 @@ def test_engines_that_would_compute_different_vectors_are_refused(tmp_path: Path
     assert check_identities(tmp_path, ["cpu:0", "cpu:1"]) is None
     refused = check_identities(tmp_path, ["cpu:0", "cpu:1", "cpu:2"])
     assert refused is not None and "cpu:2" in refused and other.fingerprint in refused
+
+
+def test_the_engine_stores_rows_under_the_keys_a_worker_hashed_of_its_namespace_only(
+    tmp_path: Path,
+) -> None:
+    """A worker's keys save the engine hashing its misses again; keys of another namespace
+    (a worker that knew another engine) are not trusted: the engine hashes those texts."""
+    from proxy.board import Board
+    from proxy.engine_host import open_engine_host
+
+    settings = Settings(
+        engine="fake", device="cpu", data_dir=tmp_path, store="lmdb", gpu_health_interval_s=0
+    )
+
+    async def scenario() -> tuple[list[Any], list[Any]]:
+        async with open_engine_host(settings, Board("engine")) as host:
+            own, foreign = f"{host.namespace}:from-the-worker", "t0-other:from-the-worker"
+            for text, key in (("first text", own), ("second text", foreign)):
+                await host.embed([text], lane="dispatch", caller="dispatch", ttl_s={}, keys=[key])
+            assert host.writer is not None and host.store is not None
+            hashed = [host.writer.key(t) for t in ("first text", "second text")]
+            return host.store.mget([own, foreign]), host.store.mget(hashed)
+
+    given, hashed = asyncio.run(scenario())
+    assert given[0] is not None and given[1] is None  # its own namespace's key: used
+    assert hashed[0] is None and hashed[1] is not None  # the other's: hashed again
