@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import json
 import logging
 import multiprocessing
@@ -52,6 +53,9 @@ PROGRESS_EVERY_S = 0.5
 # features/s alone on the 2-core box (512 vs 64).
 JOB_SLICE = 256
 _PROGRESS_FIELDS = {f.name for f in fields(WarmupProgress)}
+# The job process forks its shards (``run_job``): no thread may run in it then, not even
+# numpy's BLAS pool (a shard does no large linear algebra).
+_ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 _PATH = re.compile(r"(?:/[^/\s'\"]+)+/?")
 
 
@@ -102,6 +106,7 @@ class ProcessJobs:
             [sys.executable, "-m", "proxy.jobs", str(self.run_dir), job_id],
             start_new_session=True,  # not a child of this worker's fate: a worker restart
             stdin=subprocess.DEVNULL,  # leaves the job running
+            env={**os.environ, **_ONE_THREAD},
         )
         _write_json(self.dir / f"{job_id}.json", {**self._read(job_id), "pid": process.pid})
         return job_id
@@ -250,6 +255,10 @@ def shard_main(spec: ChildSpec, options: JobOptions, shard: Shard, reports: Any)
     """A shard in a process of its own: its progress goes to ``reports`` (a queue)."""
     from proxy.processes import become_child
 
+    # Forked from the job process's event loop: a signal must not reach that loop through
+    # the socket both now hold, and SIGTERM stops this one until its own loop handles it.
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     become_child("job", spec.log_level)
     progress = WarmupProgress(source=options.path)
     last = 0.0
@@ -304,15 +313,19 @@ async def run_sharded(
     shards: int,
     on_progress: Callable[[WarmupProgress], None] = lambda p: None,
     stopped: Callable[[], bool] = lambda: False,
+    start_method: str = "spawn",
 ) -> WarmupProgress:
     """A warm-up job over ``shards`` reader processes (one: in this process), their progress
-    combined into ``progress``; their rejects merged into ``options.rejects`` at the end."""
+    combined into ``progress``; their rejects merged into ``options.rejects`` at the end.
+    ``start_method``: how the shards start ("fork" only from a process running no thread)."""
     progress.state, progress.started = "running", time.time()  # rates from the first row
     try:
         if shards == 1:
             await run_shard(spec, options, Shard(0, 1), progress, on_progress, stopped)
             return progress
-        return await _spawn_shards(spec, options, progress, shards, on_progress, stopped)
+        return await _spawn_shards(
+            spec, options, progress, shards, on_progress, stopped, start_method
+        )
     finally:
         _merge_rejects(Path(options.rejects), shards)
 
@@ -324,8 +337,9 @@ async def _spawn_shards(
     shards: int,
     on_progress: Callable[[WarmupProgress], None],
     stopped: Callable[[], bool],
+    start_method: str,
 ) -> WarmupProgress:
-    ctx = multiprocessing.get_context("spawn")
+    ctx: Any = multiprocessing.get_context(start_method)  # its Process (stubs: per literal)
     reports = ctx.Queue()
     parts = [WarmupProgress(source=progress.source, state="queued") for _ in range(shards)]
     finals: set[int] = set()
@@ -408,10 +422,19 @@ async def run_job(run_dir: Path, job_id: str) -> None:
         rejects=str(directory.parent / f"{job_id}.rejects.jsonl"),
         cancel_file=str(cancel_file),
     )
+    # What a shard runs, imported here once: forked, a shard starts in milliseconds, where
+    # a spawned one imported all of it again (2-3 s of a 6 s job on the H200).
+    importlib.import_module("proxy.services")
     try:
         save(force=True)
         await run_sharded(
-            spec, options, progress, shard_count(settings), lambda p: save(), stop.is_set
+            spec,
+            options,
+            progress,
+            shard_count(settings),
+            lambda p: save(),
+            stop.is_set,
+            start_method="fork",
         )
         if stop.is_set() and progress.state == "cancelled":
             progress.state, progress.error = "failed", "server stopped (resumable)"

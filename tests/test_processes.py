@@ -25,6 +25,7 @@ import pytest
 
 from features.readers import write_records
 from features.synthetic import generate_fleet
+from features.text import driver_text
 from tests.serve_process import FleetcacheServer, alive, free_port
 
 pytestmark = pytest.mark.timeout(300)
@@ -292,6 +293,37 @@ def test_a_warmup_job_runs_in_a_process_of_its_own_beside_dispatch(tmp_path: Pat
         # bound that matters is measured in bench/serve_bench.py.
         print(f"cached lookup p99: idle {idle_p99:.1f} ms, during the job {busy_p99:.1f} ms")
         assert busy_p99 <= max(10 * idle_p99, idle_p99 + 100), (idle_p99, busy_p99)
+
+
+def test_a_job_of_two_reader_processes_forked_from_it_indexes_every_row_once(
+    tmp_path: Path,
+) -> None:
+    """``FLEETCACHE_WARMUP_PROCESSES=2``: the job process forks its shards (what they run is
+    imported once, in it): every row is indexed once, the bad one rejected once."""
+    drivers = generate_fleet(3_000, seed=8)
+    fleet = tmp_path / "fleet.jsonl"
+    write_records(drivers, fleet)
+    with fleet.open("a") as f:
+        f.write('{"driver_id": "BAD1", "status": "available"\n')
+    with FleetcacheServer(tmp_path / "server", workers=1, warmup_processes=2) as server:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            started = client.post(
+                "/v1/warmup",
+                content=fleet.read_bytes(),
+                headers={"Content-Type": "application/x-ndjson"},
+            )
+            assert started.status_code == 200, started.text
+            job_id, deadline = started.json()["id"], time.monotonic() + 120
+            while (job := client.get(f"/v1/warmup/{job_id}").json())["state"] in (
+                "queued",
+                "running",
+            ):
+                assert time.monotonic() < deadline, job
+                time.sleep(0.2)
+        assert job["state"] == "done", job
+        assert (job["indexed"], job["rejected"]) == (3_000, 1)
+        assert job["embedded"] == len({driver_text(d) for d in drivers})
+        assert server.stats()["fleet"]["drivers"] == 3_000
 
 
 def test_the_health_port_answers_from_the_supervisor(tmp_path: Path) -> None:
