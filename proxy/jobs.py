@@ -193,7 +193,7 @@ class DispatchTraffic:
 
 @dataclass(frozen=True)
 class JobOptions:
-    """What every shard of one job is told (picklable: shards are spawned)."""
+    """What every shard of one job is told (picklable: shards may be spawned)."""
 
     path: str
     chunk_size: int
@@ -323,14 +323,14 @@ async def run_sharded(
         if shards == 1:
             await run_shard(spec, options, Shard(0, 1), progress, on_progress, stopped)
             return progress
-        return await _spawn_shards(
+        return await _start_shards(
             spec, options, progress, shards, on_progress, stopped, start_method
         )
     finally:
         _merge_rejects(Path(options.rejects), shards)
 
 
-async def _spawn_shards(
+async def _start_shards(
     spec: ChildSpec,
     options: JobOptions,
     progress: WarmupProgress,
