@@ -161,6 +161,8 @@ class SingleFlight:
         they are computed (a caller that links entities itself needs its vectors first).
         ``keys``: the texts' store keys, when the caller hashed them for its lookup (the
         write-back then does not hash them again)."""
+        if keys is not None and len(keys) != len(texts):  # before the map holds any of them
+            raise ValueError(f"{len(keys)} store keys for {len(texts)} texts")
         loop = asyncio.get_running_loop()
         inflight = self._inflight
         flight: _Flight | None = None  # this call's own computation, if it needs one

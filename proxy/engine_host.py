@@ -174,7 +174,9 @@ class EngineHost:
         ``since``, ``links``, ``durable``, ``keys``: as ``cache.flight.SingleFlight.embed``
         (keys of another namespace than this engine's are not used)."""
         prefix = f"{self.namespace}:"
-        if keys is not None and not all(key.startswith(prefix) for key in keys):
+        if keys is not None and (
+            len(keys) != len(texts) or not all(str(key).startswith(prefix) for key in keys)
+        ):
             keys = None
         token = _CALLER.set(caller)
         try:

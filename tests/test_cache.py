@@ -195,6 +195,14 @@ def test_the_write_back_stores_each_text_under_the_key_its_caller_hashed() -> No
     asyncio.run(scenario())
     assert sorted(written) == [(["a", "b"], ["ka", "kb"]), (["c"], ["kc"]), (["d"], None)]
 
+    async def miscounted() -> int:
+        flight = SingleFlight(FakeCompute(), DIM, write_back=write_back)
+        with pytest.raises(ValueError, match="2 store keys for 3 texts"):
+            await flight.embed(["x", "y", "z"], lane="dispatch", caller="c", keys=["kx", "ky"])
+        return flight.in_flight
+
+    assert asyncio.run(miscounted()) == 0  # nothing left in flight that nobody computes
+
 
 def test_concurrent_identical_requests_compute_once() -> None:
     emb, compute = memory_cache()

@@ -348,10 +348,20 @@ def test_the_engine_stores_rows_under_the_keys_a_worker_hashed_of_its_namespace_
             own, foreign = f"{host.namespace}:from-the-worker", "t0-other:from-the-worker"
             for text, key in (("first text", own), ("second text", foreign)):
                 await host.embed([text], lane="dispatch", caller="dispatch", ttl_s={}, keys=[key])
+            miscounted = [f"{host.namespace}:one key for two texts"]
+            await host.embed(
+                ["third text", "fourth text"],
+                lane="dispatch",
+                caller="dispatch",
+                ttl_s={},
+                keys=miscounted,
+            )
             assert host.writer is not None and host.store is not None
-            hashed = [host.writer.key(t) for t in ("first text", "second text")]
-            return host.store.mget([own, foreign]), host.store.mget(hashed)
+            texts = ("first text", "second text", "third text", "fourth text")
+            hashed = [host.writer.key(t) for t in texts]
+            return host.store.mget([own, foreign, *miscounted]), host.store.mget(hashed)
 
     given, hashed = asyncio.run(scenario())
     assert given[0] is not None and given[1] is None  # its own namespace's key: used
-    assert hashed[0] is None and hashed[1] is not None  # the other's: hashed again
+    assert given[2] is None  # keys that do not match the texts one for one: not used
+    assert hashed[0] is None and all(row is not None for row in hashed[1:])  # hashed again
