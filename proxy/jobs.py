@@ -54,8 +54,14 @@ PROGRESS_EVERY_S = 0.5
 JOB_SLICE = 256
 _PROGRESS_FIELDS = {f.name for f in fields(WarmupProgress)}
 # The job process forks its shards (``run_job``): no thread may run in it then, not even
-# numpy's BLAS pool (a shard does no large linear algebra).
-_ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# numpy's BLAS pool (a shard does no large linear algebra) or the background thread of
+# pyarrow's jemalloc.
+NO_THREADS = {
+    "OPENBLAS_NUM_THREADS": "1",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "JE_ARROW_MALLOC_CONF": "background_thread:false",
+}
 _PATH = re.compile(r"(?:/[^/\s'\"]+)+/?")
 
 
@@ -106,7 +112,7 @@ class ProcessJobs:
             [sys.executable, "-m", "proxy.jobs", str(self.run_dir), job_id],
             start_new_session=True,  # not a child of this worker's fate: a worker restart
             stdin=subprocess.DEVNULL,  # leaves the job running
-            env={**os.environ, **_ONE_THREAD},
+            env={**os.environ, **NO_THREADS},
         )
         _write_json(self.dir / f"{job_id}.json", {**self._read(job_id), "pid": process.pid})
         return job_id
@@ -249,6 +255,13 @@ async def run_shard(
                 shard=shard,
                 max_rejects=settings.max_rejects // shard.count,  # merged: at most the cap
             )
+
+
+def import_shard_code() -> None:
+    """What a shard runs, imported once by the job process: forked, a shard starts in
+    milliseconds, where a spawned one imported all of it again (2-3 s of a 6 s job on the
+    H200)."""
+    importlib.import_module("proxy.services")
 
 
 def shard_main(spec: ChildSpec, options: JobOptions, shard: Shard, reports: Any) -> None:
@@ -422,9 +435,7 @@ async def run_job(run_dir: Path, job_id: str) -> None:
         rejects=str(directory.parent / f"{job_id}.rejects.jsonl"),
         cancel_file=str(cancel_file),
     )
-    # What a shard runs, imported here once: forked, a shard starts in milliseconds, where
-    # a spawned one imported all of it again (2-3 s of a 6 s job on the H200).
-    importlib.import_module("proxy.services")
+    import_shard_code()
     try:
         save(force=True)
         await run_sharded(

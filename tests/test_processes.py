@@ -9,9 +9,12 @@ engine process dies and comes back.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +29,7 @@ import pytest
 from features.readers import write_records
 from features.synthetic import generate_fleet
 from features.text import driver_text
+from proxy.jobs import NO_THREADS
 from tests.serve_process import FleetcacheServer, alive, free_port
 
 pytestmark = pytest.mark.timeout(300)
@@ -324,6 +328,23 @@ def test_a_job_of_two_reader_processes_forked_from_it_indexes_every_row_once(
         assert (job["indexed"], job["rejected"]) == (3_000, 1)
         assert job["embedded"] == len({driver_text(d) for d in drivers})
         assert server.stats()["fleet"]["drivers"] == 3_000
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+def test_a_job_process_runs_no_other_thread_when_it_forks_its_readers() -> None:
+    """A fork copies only the thread that forks: another thread holding a lock then (a BLAS
+    pool, an allocator's background thread) would leave the shard stuck on it."""
+    code = (
+        "import os, proxy.jobs as jobs; jobs.import_shard_code(); "
+        "print(sorted(open(f'/proc/self/task/{t}/comm').read().strip() "
+        "for t in os.listdir('/proc/self/task')))"
+    )
+    env = {**os.environ, **NO_THREADS, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert len(ast.literal_eval(done.stdout)) == 1, done.stdout  # the main thread alone
 
 
 def test_the_health_port_answers_from_the_supervisor(tmp_path: Path) -> None:
