@@ -124,8 +124,15 @@ async def _serve(server: RpcServer, stop: asyncio.Event) -> None:
         server.close()
 
 
+# The engine process's collector runs when 50,000 more containers live than at its last run,
+# not 700: each request allocates hundreds and frees nearly all by reference counting, and
+# at the default the collections took ~24% of its loop's CPU per new text (2-core box,
+# bench/engine_bench.py, docs/BENCHMARKS.md). What cycles there are wait a little longer.
+ENGINE_GC_THRESHOLDS = (50_000, 20, 20)
+
+
 @contextlib.contextmanager
-def frozen_heap() -> Iterator[None]:
+def frozen_heap(thresholds: tuple[int, int, int] | None = None) -> Iterator[None]:
     """Move everything alive now (imports, the model, the loaded fleet) out of the garbage
     collector's reach while the block runs, so that a full collection walks only what was
     created since.
@@ -135,14 +142,19 @@ def frozen_heap() -> Iterator[None]:
     process's loop, 40.6 -> 33.0 us of CPU per new text on the H200 (docs/BENCHMARKS.md). The
     processes ``fleetcache serve`` and ``fleetcache warmup`` start do it (workers, engine and
     index processes), and undo it on the way out: while frozen, hypothesis' reference checks
-    (tests) cannot see those objects.
+    (tests) cannot see those objects. ``thresholds``: the collector's (``gc.set_threshold``)
+    while the block runs.
     """
     gc.collect()
     gc.freeze()
     log.info("heap frozen: %d objects left out of garbage collection", gc.get_freeze_count())
+    before = gc.get_threshold()
+    if thresholds is not None:
+        gc.set_threshold(*thresholds)
     try:
         yield
     finally:
+        gc.set_threshold(*before)
         gc.unfreeze()
 
 
@@ -167,7 +179,8 @@ async def _engine(spec: ChildSpec, index: int) -> None:
         server = RpcServer(address(run_dir, engine_name(index)), {})
         server.handlers.update(engine_handlers(host, server))
         log.info("engine process serving at %s", server.address)
-        with frozen_heap():  # the model's objects: each full collection would walk them all
+        # the model's objects: each full collection would walk them all
+        with frozen_heap(ENGINE_GC_THRESHOLDS):
             await _serve(server, stop)
     board.close()
 
