@@ -138,6 +138,7 @@ class EngineHost:
         self.stats = stats
         self.info = engine.info
         self.namespace = cache_namespace(engine.info)
+        self._key_prefix = f"{self.namespace}:"  # of the store keys this engine writes
         self.tokenizer = engine.tokenizer()  # the workers tokenize with the same file, if any
         self._deadlines_ms = {
             "dispatch": settings.dispatch_deadline_ms,
@@ -173,7 +174,7 @@ class EngineHost:
         caller in flight; ``coalesced`` marks the texts that joined another computation.
         ``since``, ``links``, ``durable``, ``keys``: as ``cache.flight.SingleFlight.embed``
         (keys of another namespace than this engine's are not used)."""
-        prefix = f"{self.namespace}:"
+        prefix = self._key_prefix
         if keys is not None and (
             len(keys) != len(texts) or not all(str(key).startswith(prefix) for key in keys)
         ):

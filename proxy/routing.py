@@ -131,7 +131,9 @@ class EngineRouter:
         durable: bool = True,
         keys: Sequence[str] | None = None,
     ) -> Flown:
-        key_of = None if keys is None else dict(zip(texts, keys, strict=True))
+        key_of = None  # per text only where texts are shared out: one engine takes them as given
+        if keys is not None and len(self.engines) > 1:
+            key_of = dict(zip(texts, keys, strict=True))
 
         async def run(engine: RemoteEngine, part: list[str]) -> Flown:
             kept = set(part)
@@ -143,7 +145,7 @@ class EngineRouter:
                 since=since,
                 links=[link for link in links if link[2] in kept],
                 durable=durable,
-                keys=None if key_of is None else [key_of[t] for t in part],
+                keys=keys if key_of is None else [key_of[t] for t in part],
             )
 
         return await self._spread(texts, run)
