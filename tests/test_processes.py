@@ -49,6 +49,24 @@ def requests_by_worker(server: FleetcacheServer) -> dict[int, int]:
     return {w["pid"]: w["requests"] for w in server.pids()["workers"]}
 
 
+def start_job(client: httpx.Client, fleet: Path) -> str:
+    """A warm-up job over ``fleet``, uploaded: its id."""
+    started = client.post(
+        "/v1/warmup", content=fleet.read_bytes(), headers={"Content-Type": "application/x-ndjson"}
+    )
+    assert started.status_code == 200, started.text
+    return str(started.json()["id"])
+
+
+def job_ended(client: httpx.Client, job_id: str, within_s: float) -> dict[str, Any]:
+    """The job's answer once it is neither queued nor running (at most ``within_s``)."""
+    deadline = time.monotonic() + within_s
+    while (job := client.get(f"/v1/warmup/{job_id}").json())["state"] in ("queued", "running"):
+        assert time.monotonic() < deadline, job
+        time.sleep(0.2)
+    return dict(job)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetcacheServer]:
     # each forward sleeps 1.5 s: a batch stays in the engine while 50 clients connect; the
@@ -260,26 +278,14 @@ def test_a_warmup_job_runs_in_a_process_of_its_own_beside_dispatch(tmp_path: Pat
 
         idle_p99 = lookup_p99(2.0)
         with httpx.Client(base_url=server.url, timeout=30) as client:
-            started = client.post(
-                "/v1/warmup",
-                content=fleet.read_bytes(),
-                headers={"Content-Type": "application/x-ndjson"},
-            )
-            assert started.status_code == 200, started.text
-            job_id = started.json()["id"]
+            job_id = start_job(client, fleet)
 
             def done() -> bool:
                 state = client.get(f"/v1/warmup/{job_id}").json()["state"]
                 return state not in ("queued", "running")
 
             busy_p99 = lookup_p99(20.0, until=done)
-            deadline = time.monotonic() + 60
-            while (job := client.get(f"/v1/warmup/{job_id}").json())["state"] in (
-                "queued",
-                "running",
-            ):
-                assert time.monotonic() < deadline, job
-                time.sleep(0.2)
+            job = job_ended(client, job_id, 60)
         assert job["state"] == "done", job
         assert (job["indexed"], job["rejected"]) == (20_000, 0)
         assert not job["source"].startswith("/")  # answers show no server paths
@@ -311,19 +317,7 @@ def test_a_job_of_two_reader_processes_forked_from_it_indexes_every_row_once(
         f.write('{"driver_id": "BAD1", "status": "available"\n')
     with FleetcacheServer(tmp_path / "server", workers=1, warmup_processes=2) as server:
         with httpx.Client(base_url=server.url, timeout=30) as client:
-            started = client.post(
-                "/v1/warmup",
-                content=fleet.read_bytes(),
-                headers={"Content-Type": "application/x-ndjson"},
-            )
-            assert started.status_code == 200, started.text
-            job_id, deadline = started.json()["id"], time.monotonic() + 120
-            while (job := client.get(f"/v1/warmup/{job_id}").json())["state"] in (
-                "queued",
-                "running",
-            ):
-                assert time.monotonic() < deadline, job
-                time.sleep(0.2)
+            job = job_ended(client, start_job(client, fleet), 120)
         assert job["state"] == "done", job
         assert (job["indexed"], job["rejected"]) == (3_000, 1)
         assert job["embedded"] == len({driver_text(d) for d in drivers})
