@@ -85,8 +85,18 @@ def test_one_new_text_through_fifty_connections_is_computed_once(
     server: FleetcacheServer,
 ) -> None:
     before, served_before = server.stats(), requests_by_worker(server)
+    # All 50 clients made first, then sent together: started one by one on a busy machine,
+    # the last could arrive after the forward and its write-back (a hit, not coalesced; seen
+    # once in a full CI run).
+    ready = threading.Barrier(50)
+
+    def send(_: int) -> httpx.Response:
+        with httpx.Client(base_url=server.url, timeout=30) as client:  # a connection each
+            ready.wait(30)
+            return client.post("/v1/embeddings", json={"input": ["a brand new text"]})
+
     with ThreadPoolExecutor(50) as pool:
-        responses = list(pool.map(lambda _: embed(server.url, ["a brand new text"]), range(50)))
+        responses = list(pool.map(send, range(50)))
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
     assert sum(int(r.headers["X-Cache-Misses"]) for r in responses) == 1
     assert sum(int(r.headers["X-Cache-Hits"]) for r in responses) == 49
