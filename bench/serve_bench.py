@@ -10,8 +10,10 @@ the same app in one process, ``create_app`` under uvicorn, as v1 ran) on a fresh
   2026-12-01 20:35 UTC a closed loop, which loaded the server it measured); with workers also
   the same probe on the health port (``FLEETCACHE_HEALTH_PORT``, the supervisor's);
 - all-miss requests (``misses.lua``: 32 texts never seen before, in every run): texts/s,
-  p50/p99, how many texts each engine process took, and the engine processes' CPU per text
-  they took (their main threads, the event loops, and the whole processes: ``EngineCpu``);
+  p50/p99, how many texts each engine process took, the engine processes' CPU per text
+  they took (their main threads, the event loops, and the whole processes: ``EngineCpu``),
+  the seconds after the load until every vector it computed was in the store (what a burst
+  left queued for a store slower than the engine) and the engine processes' peak memory;
 - with ``--devices D ...``: each layout once per ``FLEETCACHE_DEVICE`` value (``cuda`` vs
   ``cuda:0,cuda:0``: one engine process or two on one GPU); with ``--kill-engine`` a
   layout of several engine processes runs its misses once more and kills the second engine
@@ -260,7 +262,7 @@ def measure_layout(
         health = server.health_url
         idle_health = wrk.run("healthz.lua", health, 2, min(d, 4), **gap) if health else None
         runs: dict[str, list[dict[str, float]]] = {
-            "hits": [], "probe": [], "health": [], "misses": [], "engine_cpu": []
+            "hits": [], "probe": [], "health": [], "misses": [], "engine_cpu": [], "drain": []
         }  # fmt: skip
         for run in range(args.runs):
             if not args.skip_hits:
@@ -276,6 +278,7 @@ def measure_layout(
                     wrk.run("misses.lua", url, c, d, FMT="base64", SALT=f"r{run}-")
                 )
             runs["engine_cpu"].append(cpu.per_item())
+            runs["drain"].append(written_back_after(server))
         twins = measure_twins(server, wrk, c, d) if args.twins else None
         engines = server.stats()["processes"]["engines"]
         killed = None
@@ -288,12 +291,16 @@ def measure_layout(
         row["killed"] = killed
         row["twins"] = twins
         cpu_runs = runs.pop("engine_cpu")
+        row["drain_s"] = median(runs.pop("drain"))
+        row["engine_peak_mb"] = sum(peak_rss_mb(e["pid"]) for e in stats["processes"]["engines"])
         row["engine_cpu"] = {k: median([r[k] for r in cpu_runs]) for k in ("loop", "process")}
         for phase, results in runs.items():
             if not results:
                 results = [dict.fromkeys(("req_s", "p50_ms", "p99_ms", "errors"), 0.0)]
             row[phase] = {
                 "req_s": median([r["req_s"] for r in results]),
+                "ok_s": median([r.get("ok_s", r["req_s"]) for r in results]),
+                "non2xx": sum(r.get("non2xx", 0.0) for r in results),
                 "p50_ms": median([r["p50_ms"] for r in results]),
                 "p99_ms": median([r["p99_ms"] for r in results]),
                 "worst_p99_ms": max(r["p99_ms"] for r in results),
@@ -310,6 +317,24 @@ def measure_layout(
         server.stop()
         shutil.rmtree(data_dir, ignore_errors=True)
         print(f"{name}: measured", file=sys.stderr)
+
+
+def written_back_after(server: Server, limit_s: float = 300.0) -> float:
+    """Seconds from the end of a load until nothing computed waits for the store (the
+    engines' ``cache.in_flight`` at 0): what a burst of new texts left behind it."""
+    started = time.monotonic()
+    while server.stats()["cache"]["in_flight"] and time.monotonic() - started < limit_s:
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def peak_rss_mb(pid: int) -> float:
+    """A process's peak resident memory (``VmHWM``), MiB; 0 when it is gone."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
 
 
 class EngineCpu:
@@ -523,13 +548,15 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
         print(f"batcher alone (no HTTP, no IPC): {batcher:,.0f} texts/s")
     columns = ["layout", "ready s", "hits req/s", "hit texts/s", "hit p50 / p99 ms (worst)"]
     columns += ["probe p99 idle -> under hits ms", "health port p99 idle -> under hits ms"]
-    columns += ["miss texts/s", "miss p50 / p99 ms", "misses / batcher", "items == misses"]
+    columns += ["miss texts/s (2xx)", "miss non-2xx", "miss p50 / p99 ms", "misses / batcher"]
+    columns += ["items == misses"]
+    columns += ["written back s after", "engine peak MiB"]
     columns += ["engine loop / process CPU us per text", "per-worker requests"]
     columns += ["items per engine"]
     table = []
     for r in rows:
         hits, probe, misses = r["hits"], r["probe"], r["misses"]
-        ratio = f"{misses['req_s'] * 32 / batcher:.2f}" if batcher else "-"
+        ratio = f"{misses['ok_s'] * 32 / batcher:.2f}" if batcher else "-"
         health = "-"
         if r["idle_health_p99"] and r["health"]["p99_ms"]:
             health = idle_to_busy(r["idle_health_p99"], r["health"]["p99_ms"])
@@ -542,10 +569,13 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
                 f"{hits['p50_ms']:.1f} / {hits['p99_ms']:.1f} ({hits['worst_p99_ms']:.1f})",
                 idle_to_busy(r["idle_probe_p99"], probe["p99_ms"]),
                 health,
-                f"{misses['req_s'] * 32:,.0f}",
+                f"{misses['ok_s'] * 32:,.0f}",
+                f"{misses['non2xx']:,.0f}",
                 f"{misses['p50_ms']:.1f} / {misses['p99_ms']:.1f}",
                 ratio,
                 str(r["items_equal_misses"]),
+                f"{r['drain_s']:.1f}",
+                f"{r['engine_peak_mb']:,.0f}",
                 f"{r['engine_cpu']['loop']:.1f} / {r['engine_cpu']['process']:.1f}",
                 str(r["per_worker_requests"]),
                 str(r["device_items"]),
