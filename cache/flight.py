@@ -21,6 +21,20 @@ when its lookup began (``since``) joins those written after that, as coalesced. 
 before its lookup began were in the store for it: missing them there means they expired, were
 dropped or the store failed, and they are computed again.
 
+Backpressure (``max_unwritten``): rows computed and not yet written back wait in memory for
+the store, and a store slower than the device (LMDB's fsync'd commits on a virtual disk:
+11-21k new vectors a second on the H200 machine, where the batcher alone computes 75-108k)
+would let them pile up without bound under sustained new texts (measured there: during 2 s
+of 40k new texts a second, a write-back ended 1.2 s after its rows on average; after 15 s,
+the store was 5 s behind, docs/BENCHMARKS.md). So while ``max_unwritten`` rows wait for the
+store, a call with new texts waits before it starts computing, a warm-up call from half of
+it (a job slows to the store's pace first, and dispatch keeps the other half). The store frees
+room a transaction at a time (``LmdbByteStore.max_group``), so a dispatch call waits at most
+about one; a worker's admission (``max_inflight_requests``) turns longer queues into 429s.
+Texts only in flight (coalesced) are never held back.
+(Refusing dispatch at once with a 429 instead was measured on the H200: closed-loop clients
+then retried into a storm of 429s, 51,517 in 30 s, and the texts served fell to 15,616/s.)
+
 The computation runs in its own task: a caller that goes away does not cancel it, the callers
 coalesced on it still get their rows, and the write-back still happens. A compute error
 reaches every waiter of that flight and nothing is written; the next caller computes again.
@@ -125,7 +139,10 @@ class SingleFlight:
         per_item_ms: Callable[[], float] = lambda: 0.0,
         recent: int = 8192,
         on_settled: Callable[[], None] | None = None,
+        max_unwritten: int | None = None,
     ) -> None:
+        if max_unwritten is not None and max_unwritten < 2:
+            raise ValueError(f"max_unwritten must be at least 2, got {max_unwritten}")
         self._compute = compute
         self._dim = dim
         self._write_back = write_back
@@ -137,6 +154,10 @@ class SingleFlight:
         self._max_recent = recent
         self._on_settled = on_settled  # called when a flight's entries leave the map
         self._tasks: set[asyncio.Task[None]] = set()
+        self._max_unwritten = max_unwritten
+        self.unwritten = 0  # rows computed, their write-back not ended
+        self.store_waits = 0  # calls that waited for the store to catch up
+        self._written = asyncio.Event()  # set whenever a write-back ends
 
     @property
     def in_flight(self) -> int:
@@ -163,6 +184,8 @@ class SingleFlight:
         write-back then does not hash them again)."""
         if keys is not None and len(keys) != len(texts):  # before the map holds any of them
             raise ValueError(f"{len(keys)} store keys for {len(texts)} texts")
+        if self._max_unwritten is not None:
+            await self._room_for(texts, lane)
         loop = asyncio.get_running_loop()
         inflight = self._inflight
         flight: _Flight | None = None  # this call's own computation, if it needs one
@@ -205,9 +228,22 @@ class SingleFlight:
         rows = [f.future.result()[f.row[t]] for f, t in zip(waits, texts, strict=True)]
         return Flown(np.stack(rows), coalesced)
 
+    async def _room_for(self, texts: Sequence[str], lane: str) -> None:
+        """Wait while too many computed rows wait for the store (see the module docstring),
+        unless every text is in flight already."""
+        limit = self._max_unwritten or 0
+        limit = limit if lane == "dispatch" else limit // 2
+        if self.unwritten < limit or all(t in self._inflight for t in texts):
+            return
+        self.store_waits += 1
+        while self.unwritten >= limit:
+            self._written.clear()
+            await self._written.wait()
+
     async def _run(self, flight: _Flight, lane: str, ttl_s: Ttls, links: Links) -> None:
         texts, fut = list(flight.row), flight.future
         stored = False  # written back: then it stays joinable a little longer (``recent``)
+        computed = 0  # rows waiting for the store (``unwritten``)
         try:
             try:
                 # A copy, read-only: these rows are shared by every caller coalesced on them.
@@ -225,6 +261,8 @@ class SingleFlight:
                     raise
                 return
             fut.set_result(rows)  # answered now; the entries stay until written back
+            computed = len(texts)
+            self.unwritten += computed
             if self._write_back is not None:
                 try:
                     stored = await self._write_back(texts, rows, ttl_s, flight.keys or None, links)
@@ -234,6 +272,8 @@ class SingleFlight:
             if not flight.written.done():  # durable waiters go on, whatever happened
                 flight.written.set_result(None)
             flight.written_at = time.monotonic()
+            self.unwritten -= computed
+            self._written.set()
             inflight, recent = self._inflight, self._recent
             for text in texts:
                 if inflight.get(text) is flight:

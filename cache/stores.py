@@ -173,6 +173,7 @@ class LmdbByteStore(CacheStore):
         readahead: bool = False,
         max_readers: int = 256,
         scan_chunk: int = 1024,
+        max_group: int = 4096,
     ) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
@@ -207,6 +208,7 @@ class LmdbByteStore(CacheStore):
             self._syncer.start()
         self._max_key = self._env.max_key_size()
         self._scan_chunk = scan_chunk
+        self.max_group = max_group
         self._closed = False
         self._group: list[tuple[Sequence[tuple[str, bytes]], asyncio.Future[None]]] = []
         self._committer: asyncio.Task[None] | None = None
@@ -286,7 +288,10 @@ class LmdbByteStore(CacheStore):
         """Group commit: writes that arrive while a transaction is being committed go in the
         next one together, so one fsync serves them all. Measured on the H200 machine: with
         a transaction (and fsync) per call, 64 connections of new texts stopped at ~375 engine
-        write-backs/s (10-12k texts/s, the batcher alone did 78k)."""
+        write-backs/s (10-12k texts/s, the batcher alone did 78k). A transaction takes calls
+        until it holds ``max_group`` entries: behind a backlog, a write still ends within one
+        transaction's time (each entry costs a 4 KiB page: ~57 us with the fsync on the H200's
+        disk, ``bench/lmdb_write_bench.py``), not after one transaction of the whole backlog."""
         if not key_value_pairs:
             return
         loop = asyncio.get_running_loop()
@@ -299,7 +304,11 @@ class LmdbByteStore(CacheStore):
 
     async def _commit_groups(self) -> None:
         while self._group:
-            group, self._group = self._group, []
+            taken, size = 0, 0
+            while taken < len(self._group) and (not taken or size < self.max_group):
+                size += len(self._group[taken][0])
+                taken += 1
+            group, self._group = self._group[:taken], self._group[taken:]
             items = [pair for pairs, _ in group for pair in pairs]
             try:
                 await self._commit(items)

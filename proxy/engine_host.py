@@ -152,6 +152,7 @@ class EngineHost:
             count_misses=False,  # the batcher counts them, as it hands them to the engine
             per_item_ms=lambda: batcher.per_item_ms,
             on_settled=self.publish,  # the in-flight gauge, once written back
+            max_unwritten=settings.max_unwritten if writer is not None else None,
         )
 
     async def _compute(self, texts: Sequence[str], lane: str) -> Vectors:
@@ -254,6 +255,8 @@ class EngineHost:
             board.put(f"inference.{name}", value)
         board.gauge("queue.depth", self.batcher.queued)
         board.gauge("cache.in_flight", self.flight.in_flight)
+        board.gauge("cache.unwritten", self.flight.unwritten)
+        board.put("cache.store_waits", self.flight.store_waits)
         if self.store is not None:  # its write-backs' failures (a full LMDB map, Redis down)
             links = self.writer.errors.count if self.writer is not None else 0
             board.put("cache.store_errors", self.store.store_errors + links)

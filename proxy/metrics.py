@@ -70,6 +70,12 @@ SCALARS: tuple[tuple[str, str, str, Callable[[Stats], float]], ...] = (
     ("fleetcache_cache_in_flight_texts", "gauge",
      "Distinct texts being computed now (others coalesce on them).",
      lambda s: s["cache"]["in_flight"]),
+    ("fleetcache_cache_unwritten_texts", "gauge",
+     "Computed vectors waiting to be written to the store (FLEETCACHE_MAX_UNWRITTEN bounds it).",
+     lambda s: s["cache"]["unwritten"]),
+    ("fleetcache_cache_store_waits_total", "counter",
+     "Calls whose new texts waited for the store to catch up with the engine.",
+     lambda s: s["cache"]["store_waits"]),
     ("fleetcache_engine_healthy", "gauge",
      "1 unless the primary engine is tripped (a failed batch, batch p99 over its limit, a GPU "
      "hard fault: lost device, uncorrected ECC errors growing).",

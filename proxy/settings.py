@@ -88,6 +88,12 @@ class Settings(BaseSettings):
         description="0: LMDB fsyncs at every commit; N: every N s instead, and the cache "
         "starts empty after an OS crash (cache.boot)",
     )
+    max_unwritten: int = Field(
+        50_000,
+        ge=2,
+        description="computed vectors waiting for the store; above it new texts wait for it "
+        "(warm-up from half)",
+    )
     cache_ttl_driver_s: float | None = Field(None, gt=0.0, description="none: never expires")
     cache_ttl_vehicle_s: float | None = Field(None, gt=0.0, description="none: never expires")
     # access (API.md, "Authentication and scopes"; proxy.auth)

@@ -70,6 +70,8 @@ def cache_section(services: Services, totals: Totals) -> dict[str, Any]:
         "expired_entries": int(s["cache.expired_entries"]),
         "failed_calls": int(s["cache.failed_calls"]),
         "in_flight": int(g["cache.in_flight"]),
+        "unwritten": int(g["cache.unwritten"]),
+        "store_waits": int(s["cache.store_waits"]),
         "drift": services.last_shared("drift"),  # the last drift check (proxy.drift), or null
     }
 

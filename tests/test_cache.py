@@ -204,6 +204,56 @@ def test_the_write_back_stores_each_text_under_the_key_its_caller_hashed() -> No
     assert asyncio.run(miscounted()) == 0  # nothing left in flight that nobody computes
 
 
+def test_new_texts_wait_while_the_store_is_behind() -> None:
+    """Computed rows waiting for a slow store are bounded: past ``max_unwritten`` a call with
+    new texts waits before computing (warm-up from half the bound), one whose texts are all
+    in flight does not, and each ended write-back (a failed one too) makes room."""
+    release: list[asyncio.Event] = []  # one per write-back, in order
+
+    async def write_back(texts: list[str], *_: Any) -> bool:
+        gate = asyncio.Event()
+        release.append(gate)
+        await gate.wait()
+        if texts == ["fails"]:
+            raise RuntimeError("store down")
+        return True
+
+    async def scenario() -> None:
+        compute = FakeCompute()
+        flight = SingleFlight(compute, DIM, write_back=write_back, max_unwritten=4)
+
+        def embed(texts: list[str], lane: str = "dispatch") -> asyncio.Future[Any]:
+            call = flight.embed(texts, lane=lane, caller="c", durable=False)
+            return asyncio.ensure_future(call)
+
+        await embed(["a", "b"])  # answered before its write-back
+        await embed(["fails"])
+        warmup = embed(["w"], lane="warmup")  # 3 unwritten, over half the bound: waits
+        await embed(["c"])  # dispatch: 3 < 4
+        assert flight.unwritten == 4
+        late = embed(["d", "a"])  # a new text: waits
+        assert (await embed(["c", "a"])).coalesced == [True, True]  # all in flight: served
+        await asyncio.sleep(0.01)
+        assert not late.done() and not warmup.done()
+        assert (compute.texts, flight.store_waits, flight.in_flight) == (
+            ["a", "b", "fails", "c"],
+            2,
+            4,  # "d" not in the map while it waits
+        )
+        release[1].set()  # the failed write-back makes room too
+        assert (await late).coalesced == [False, True]
+        assert not warmup.done()  # 4 unwritten again
+        for gate in release:
+            gate.set()
+        await warmup
+        assert compute.texts == ["a", "b", "fails", "c", "d", "w"]
+        release[-1].set()  # "w"'s own
+        await flight.drain(1.0)
+        assert (flight.unwritten, flight.in_flight) == (0, 0)
+
+    asyncio.run(scenario())
+
+
 def test_concurrent_identical_requests_compute_once() -> None:
     emb, compute = memory_cache()
 

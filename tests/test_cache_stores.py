@@ -342,3 +342,26 @@ def test_codec_rejects_bad_input() -> None:
         codec.encode(np.zeros((2, 2), np.float32))
     with pytest.raises(ValueError):
         codec.encode(np.zeros(2, np.float32), "int8")  # type: ignore[arg-type]
+
+
+def test_group_commit_takes_calls_up_to_max_group_entries(tmp_path: Path) -> None:
+    """Writes queued behind a transaction go in the next ones together, each taking calls
+    until it holds ``max_group`` entries (whole calls: one may pass the mark), so that a write
+    behind a backlog waits for one transaction, not one of the whole backlog."""
+    transactions: list[int] = []
+
+    class Counted(LmdbByteStore):
+        async def _commit(self, items: Sequence[tuple[str, bytes]]) -> None:
+            transactions.append(len(items))
+            await super()._commit(items)
+
+    store = Counted(tmp_path / "db", 16 * 1024 * 1024, max_group=3)
+    calls = [[(f"k{i}:{j}", b"v") for j in range(2)] for i in range(5)]
+
+    async def scenario() -> None:
+        await asyncio.gather(*(store.amset(pairs) for pairs in calls))
+
+    asyncio.run(scenario())
+    assert transactions == [4, 4, 2]
+    assert all(v == b"v" for v in store.mget([k for pairs in calls for k, _ in pairs]))
+    store.close()
