@@ -178,8 +178,11 @@ class SingleFlight:
     ) -> Flown:
         """Rows of ``texts``. ``since``: when the caller's store lookup began (monotonic).
         ``links``: entities of these texts, linked to their vectors in the write-back's own
-        transaction. ``durable``: return once the rows are written back, not as soon as
-        they are computed (a caller that links entities itself needs its vectors first).
+        transaction, and of the caller's other texts (found in its store lookup: their vectors
+        are stored), linked in the same transaction; those of texts that joined another
+        computation are left to the caller. ``durable``: return once the rows are written
+        back, not as soon as they are computed (a caller that links entities itself needs
+        its vectors first).
         ``keys``: the texts' store keys, when the caller hashed them for its lookup (the
         write-back then does not hash them again)."""
         if keys is not None and len(keys) != len(texts):  # before the map holds any of them
@@ -211,7 +214,10 @@ class SingleFlight:
             self._stats.record(caller, 0, joined, misses, self._per_item_ms() if joined else 0.0)
         if flight is not None:
             ttls = {t: ttl for t in flight.row if (ttl := (ttl_s or {}).get(t)) is not None}
-            linked = [link for link in links if link[2] in flight.row]
+            # its own texts' entities, and those of the caller's hits (their vectors are in
+            # the store): one transaction instead of the caller's own for the latter
+            asked = set(texts) if links else set()
+            linked = [link for link in links if link[2] in flight.row or link[2] not in asked]
             task = loop.create_task(self._run(flight, lane, ttls, linked))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)

@@ -78,8 +78,9 @@ class VectorWriter:
         from ``ttl_s`` when it has one; ``keys``: their store keys, when the caller hashed
         them already. ``links``: ``(kind, id, text)`` of entities to link to their text's
         vector, in the same store call as the vectors (one transaction on LMDB: a link never
-        lands before its vector); vectors the entities were linked to before are dropped
-        after. False when the store failed (absorbed and counted)."""
+        lands before its vector; a link's text may also be one stored before, not among
+        ``texts``); vectors the entities were linked to before are dropped after. False when
+        the store failed (absorbed and counted)."""
         if not len(texts):
             return True
         now = self._wall_clock()
@@ -92,7 +93,8 @@ class VectorWriter:
             if links:
                 known = dict(zip(texts, hashed, strict=True))
                 entities = [(kind, entity_id) for kind, entity_id, _ in links]
-                changed, stale = await self.links.plan(entities, [known[t] for *_, t in links])
+                targets = [known.get(t) or self.key(t) for *_, t in links]
+                changed, stale = await self.links.plan(entities, targets)
                 entries += changed
             await self.store.amset(entries)
             if stale:

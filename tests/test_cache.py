@@ -15,6 +15,7 @@ from langchain_core.stores import BaseStore, ByteStore
 from cache import codec
 from cache.embedder import CachedEmbedder, EmbedResult
 from cache.flight import SingleFlight
+from cache.links import Entity
 from cache.stores import LmdbByteStore, MemoryByteStore, TieredByteStore
 from engines.base import EngineError
 
@@ -252,6 +253,31 @@ def test_new_texts_wait_while_the_store_is_behind() -> None:
         assert (flight.unwritten, flight.in_flight) == (0, 0)
 
     asyncio.run(scenario())
+
+
+def test_an_entity_whose_text_was_cached_is_linked_with_the_call_s_new_vectors() -> None:
+    """A call's entities whose texts were found in the store are linked in the same store
+    call as its new vectors (one LMDB transaction), so its own relink writes nothing more."""
+    batches: list[list[str]] = []
+
+    class Recording(CountingStore):
+        def mset(self, key_value_pairs: Sequence[tuple[str, bytes]]) -> None:
+            batches.append([k for k, _ in key_value_pairs])
+            super().mset(key_value_pairs)
+
+    store = TieredByteStore(MemoryByteStore(MiB), Recording(MemoryByteStore(MiB)))
+    emb, compute = memory_cache(store=store)
+    run(lambda: emb.aembed_entities([Entity("driver", "a", "t1")]))
+    batches.clear()
+    both = [Entity("driver", "b", "t1"), Entity("driver", "c", "t2")]
+    result = run(lambda: emb.aembed_entities(both))
+    assert (result.hits, result.misses, compute.texts) == (1, 1, ["t1", "t2"])
+    link = emb.links.key
+    assert batches == [[emb.key("t2"), link("driver", "b"), link("driver", "c")]]
+    assert store.mget([link("driver", "b"), link("driver", "c")]) == [
+        emb.key("t1").encode(),
+        emb.key("t2").encode(),
+    ]
 
 
 def test_concurrent_identical_requests_compute_once() -> None:

@@ -237,6 +237,7 @@ class StubClient:
         }
         self.engine = FakeEngine()
         self.texts: list[str] = []
+        self.links: list[tuple[str, ...]] = []
         self.fail: Exception | None = None
 
     async def call(self, op: str, blobs: Any = (), **args: Any) -> tuple[dict[str, Any], list[Any]]:
@@ -244,6 +245,7 @@ class StubClient:
             raise self.fail
         texts = args["texts"]
         self.texts += texts
+        self.links += [tuple(link) for link in args.get("links") or ()]
         rows = np.stack([self.engine.vector(t) for t in texts])
         return {"coalesced": bytes(len(texts))}, [bytes(rows_frame(rows))]
 
@@ -265,6 +267,21 @@ def test_rows_come_back_in_input_order_from_both_engines() -> None:
     expected = np.stack([FakeEngine().vector(t) for t in texts])
     np.testing.assert_array_equal(flown.rows, expected)
     assert a.texts and b.texts and sorted(a.texts + b.texts) == sorted(texts)
+
+
+def test_each_link_goes_to_one_engine_the_caller_s_hits_with_its_first_text() -> None:
+    """An entity of a new text is linked by the engine computing that text; one of a text the
+    caller found stored (not among the texts sent) by the engine taking the first text."""
+    a, b = StubClient(), StubClient()
+    texts = [f"text {i}" for i in range(40)]
+    links = [("driver", f"d{i}", t) for i, t in enumerate(texts)] + [("driver", "h", "stored")]
+    asyncio.run(router(a, b).embed(texts, lane="warmup", caller="warmup", ttl_s={}, links=links))
+    first = a if texts[0] in a.texts else b
+    assert a.texts and b.texts
+    assert sorted(a.links + b.links) == sorted(links)
+    assert ("driver", "h", "stored") in first.links
+    for client in (a, b):
+        assert {link[2] for link in client.links} - {"stored"} <= set(client.texts)
 
 
 def test_a_tripped_engine_gets_no_texts_while_the_other_serves() -> None:
