@@ -135,18 +135,18 @@ class EngineRouter:
         if keys is not None and len(self.engines) > 1:
             key_of = dict(zip(texts, keys, strict=True))
         asked = set(texts) if links else set()
-        stored = [link for link in links if link[2] not in asked]  # the caller's hits
+        stored = [link for link in links if link[2] not in asked]  # the caller's hits' entities
 
         async def run(engine: RemoteEngine, part: list[str]) -> Flown:
             kept = set(part)
-            mine = [link for link in links if link[2] in kept]  # the hits': one engine's
+            mine = [link for link in links if link[2] in kept]  # its own texts' entities
             return await engine.embed(
                 part,
                 lane=lane,
                 caller=caller,
                 ttl_s={t: s for t, s in ttl_s.items() if t in kept},
                 since=since,
-                links=mine + stored if part and part[0] == texts[0] else mine,
+                links=mine + stored if part and part[0] == texts[0] else mine,  # once
                 durable=durable,
                 keys=keys if key_of is None else [key_of[t] for t in part],
             )
