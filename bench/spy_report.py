@@ -26,12 +26,7 @@ ROLES = (  # the first entry point found in a process's stacks names it
     ("run_job", "warm-up job"),
 )
 FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^():]+):(?P<line>\d+)\)$")
-REPO = Path(__file__).resolve().parent.parent
-OURS = {
-    p.name
-    for d in ("cache", "engines", "features", "indexes", "proxy")
-    for p in (REPO / d).glob("*.py")
-}
+PACKAGES = ("cache", "engines", "features", "indexes", "proxy")  # py-spy: paths from sys.path
 
 
 def parse(path: Path) -> dict[str, list[tuple[list[str], int]]]:
@@ -65,7 +60,7 @@ def thread_of(frames: list[str]) -> str:
 
 def ours(frame: str) -> bool:
     match = FRAME.match(frame)
-    return bool(match) and Path(match["file"]).name in OURS
+    return bool(match) and match["file"].split("/", 1)[0] in PACKAGES
 
 
 def report(path: Path, top: int) -> str:
