@@ -382,3 +382,52 @@ def test_the_engine_stores_rows_under_the_keys_a_worker_hashed_of_its_namespace_
     assert given[0] is not None and given[1] is None  # its own namespace's key: used
     assert given[2] is None  # keys that do not match the texts one for one: not used
     assert hashed[0] is None and all(row is not None for row in hashed[1:])  # hashed again
+
+
+def test_the_engine_holds_new_texts_while_its_store_is_behind(tmp_path: Path) -> None:
+    """``FLEETCACHE_MAX_UNWRITTEN`` in the engine process: with LMDB's commits held, new texts
+    past the bound wait to be computed until the store catches up, and its board shows how
+    many vectors wait for the store and that a call waited."""
+    from proxy.board import Board, Boards
+    from proxy.engine_host import open_engine_host
+
+    settings = Settings(
+        engine="fake",
+        device="cpu",
+        data_dir=tmp_path,
+        store="lmdb",
+        gpu_health_interval_s=0,
+        max_unwritten=2,
+    )
+
+    async def scenario() -> tuple[bool, float, float, float]:
+        board = Board("engine")
+        async with open_engine_host(settings, board) as host:
+            assert host.store is not None and host.store.store is not None
+            lmdb: Any = host.store.store
+            gate, commit = asyncio.Event(), lmdb._commit
+
+            async def held(items: Any) -> None:
+                await gate.wait()
+                await commit(items)
+
+            lmdb._commit = held
+
+            async def embed(texts: list[str]) -> Flown:
+                return await host.embed(
+                    texts, lane="dispatch", caller="dispatch", ttl_s={}, durable=False
+                )
+
+            await embed(["one", "two"])  # answered; their write-back held
+            late = asyncio.ensure_future(embed(["three"]))
+            await asyncio.sleep(0.05)
+            host.publish()
+            totals = Boards(own=board).read()
+            waiting = late.done(), totals.gauges["cache.unwritten"]
+            gate.set()
+            await late
+            host.publish()
+            after = Boards(own=board).read()
+            return (*waiting, after.scalars["cache.store_waits"], host.batcher.totals()[0])
+
+    assert asyncio.run(scenario()) == (False, 2, 1, 3)
