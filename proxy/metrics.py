@@ -73,7 +73,7 @@ SCALARS: tuple[tuple[str, str, str, Callable[[Stats], float]], ...] = (
     ("fleetcache_cache_unwritten_texts", "gauge",
      "Computed vectors waiting to be written to the store (FLEETCACHE_MAX_UNWRITTEN bounds it).",
      lambda s: s["cache"]["unwritten"]),
-    ("fleetcache_cache_store_waits_total", "counter",
+    ("fleetcache_cache_store_waits", "counter",
      "Calls whose new texts waited for the store to catch up with the engine.",
      lambda s: s["cache"]["store_waits"]),
     ("fleetcache_engine_healthy", "gauge",
