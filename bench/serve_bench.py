@@ -22,9 +22,11 @@ the same app in one process, ``create_app`` under uvicorn, as v1 ran) on a fresh
   ``--twins`` also requests whose new texts every wrk thread sends at about the same moment
   (``twins.lua``): texts/s, and engine items per text looked up (what coalescing saved);
 - with ``--warmup N``: N new drivers POSTed to ``/v1/warmup`` (a job process), timed to
-  ``done``, with wrk sending cached lookups (8 connections) beside it: their p99 during the
-  job against the same load alone; and the plain tokenizer's ceiling on all cores over the
-  same texts (``tokenizers.encode_batch``), measured in the same run.
+  ``done``; then ``--runs`` rounds of paced cached lookups (8 connections, one request each
+  every ``LOOKUP_GAP_MS``) alone, then beside a job over new drivers: their p99 during each
+  job against alone in the same round (median of the rounds, and each round's ratio); and
+  the plain tokenizer's ceiling on all cores over the same texts (``tokenizers.encode_batch``),
+  measured in the same run.
 
 ``--code DIR`` serves another checkout (a before/after comparison in one device call).
 Each load phase runs ``--runs`` times: the table shows the median of the runs' figures and
@@ -427,33 +429,41 @@ def run_job(server: Server, fleet: Path) -> dict[str, Any]:
     return dict(job)
 
 
-def measure_warmup(
-    args: argparse.Namespace, server: Server, wrk: Wrk, out: Path
-) -> dict[str, float]:
-    """A job alone (its throughput), then another over new drivers beside cached lookups
-    (their p99 against the same lookups alone)."""
+LOOKUP_GAP_MS = 5  # each of 8 lookup connections sends one request every ~5 ms (paced)
+
+
+def measure_warmup(args: argparse.Namespace, server: Server, wrk: Wrk, out: Path) -> dict[str, Any]:
+    """A job alone (its throughput), then ``--runs`` rounds of paced cached lookups (8
+    connections, one request each every ``LOOKUP_GAP_MS``, as a dispatcher sends them) first
+    alone, then beside a job over new drivers: their p99 during the job against alone in the
+    same round. Rounds alternate so that the host's drift between them (its idle p99 swung
+    4-18 ms between runs on the H200) falls on both sides of each ratio."""
     from features.readers import write_records
     from features.synthetic import iter_fleet
 
-    files = [out / "warmup-alone.jsonl", out / "warmup-beside.jsonl"]
+    files = [out / f"warmup-{i}.jsonl" for i in range(args.runs + 1)]
     for seed, path in enumerate(files):
         if not path.exists():
             write_records(iter_fleet(args.warmup, seed=97 + seed), path)
     with profiled(args, server, out / f"profile-warmup-{server.workers}.txt", True):
         job = run_job(server, files[0])
-    alone = wrk.run("hits.lua", server.url, 8, 5, POOL=str(POOL), FMT="base64")
-    lookups = wrk.start("hits.lua", server.url, 8, 600, POOL=str(POOL), FMT="base64")
-    try:
-        beside = run_job(server, files[1])
-    finally:
-        lookups.send_signal(signal.SIGINT)  # wrk reports what it saw so far
-    during = Wrk.result(lookups)
+    paced = {"POOL": str(POOL), "FMT": "base64", "GAP_MS": str(LOOKUP_GAP_MS)}
+    alone, during, beside = [], [], []
+    for path in files[1:]:
+        alone.append(wrk.run("hits.lua", server.url, 8, 4, **paced)["p99_ms"])
+        lookups = wrk.start("hits.lua", server.url, 8, 600, **paced)
+        try:
+            job_beside = run_job(server, path)
+        finally:
+            lookups.send_signal(signal.SIGINT)  # wrk reports what it saw so far
+        during.append(Wrk.result(lookups)["p99_ms"])
+        beside.append(job_beside["indexed"] / (job_beside["finished"] - job_beside["started"]))
     return {
         "records": job["indexed"],
         "features_per_s": job["indexed"] / (job["finished"] - job["started"]),
-        "beside_features_per_s": beside["indexed"] / (beside["finished"] - beside["started"]),
-        "lookup_p99_alone_ms": alone["p99_ms"],
-        "lookup_p99_during_ms": during["p99_ms"],
+        "beside_features_per_s": statistics.median(beside),
+        "lookup_p99_alone_ms": alone,
+        "lookup_p99_during_ms": during,
         "tokenizer_texts_per_s": tokenizer_ceiling(args, files[0]),
     }
 
@@ -615,11 +625,13 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
     warm = [r for r in rows if "warmup" in r]
     if warm:
         columns = ["layout", "warm-up records", "features/s alone", "tokenizer alone texts/s"]
-        columns += ["ratio", "features/s beside lookups", "cached lookup p99 alone -> during ms"]
+        columns += ["ratio", "features/s beside lookups (median)"]
+        columns += ["paced lookup p99 alone -> during ms, median of rounds", "each round's ratio"]
         table = []
         for r in warm:
             w = r["warmup"]
             alone, during = w["lookup_p99_alone_ms"], w["lookup_p99_during_ms"]
+            ratios = [d / max(a, 1e-6) for a, d in zip(alone, during, strict=True)]
             table.append(
                 [
                     r["layout"],
@@ -628,7 +640,8 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
                     f"{w['tokenizer_texts_per_s']:,.0f}",
                     f"{w['features_per_s'] / w['tokenizer_texts_per_s']:.2f}",
                     f"{w['beside_features_per_s']:,.0f}",
-                    f"{alone:.1f} -> {during:.1f} ({during / max(alone, 1e-6):.2f}x)",
+                    idle_to_busy(statistics.median(alone), statistics.median(during)),
+                    ", ".join(f"{x:.2f}x" for x in ratios),
                 ]
             )
         print()
