@@ -28,7 +28,12 @@ class Settings(BaseSettings):
     device: str = Field(
         "auto",
         description="cpu | cuda | cuda:N | a list (cuda:0,cuda:1): one engine process each | "
-        "auto (every visible GPU, else cpu)",
+        "auto (FLEETCACHE_ENGINES_PER_GPU on every visible GPU, else cpu)",
+    )
+    engines_per_gpu: int | Literal["auto"] = Field(
+        "auto",
+        description="with FLEETCACHE_DEVICE=auto: engine processes on each visible GPU (auto: 2 "
+        "when the machine has 16 cores or more a GPU, else 1)",
     )
     engine_routing: Literal["hash", "depth"] = Field(
         "hash",
@@ -172,6 +177,11 @@ class Settings(BaseSettings):
         if self.engine == "fake" and self.model_path:
             raise ValueError("FLEETCACHE_MODEL_PATH has no meaning with FLEETCACHE_ENGINE=fake")
         check_devices(self.devices, fake=self.engine == "fake")
+        per_gpu = self.engines_per_gpu
+        if per_gpu != "auto" and not 1 <= per_gpu <= MAX_DEVICES:
+            raise ValueError(
+                f"FLEETCACHE_ENGINES_PER_GPU: {per_gpu} is not 'auto' or 1..{MAX_DEVICES}"
+            )
         return self
 
     @property
