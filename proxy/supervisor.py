@@ -97,33 +97,17 @@ def visible_gpus() -> int:
         return 0
 
 
-def engines_per_gpu(settings: Settings, gpus: int, cores: int | None = None) -> int:
-    """``FLEETCACHE_ENGINES_PER_GPU``; ``auto``: 2 when the machine has 16 cores or more for
-    each GPU, else 1. One engine process is bound by its interpreter long before its GPU
-    (docs/BENCHMARKS.md, the H200 with 16 cores: 91k texts/s for the batcher alone, 19.6k new
-    texts/s through one engine process, 27.9k through two, 39.5k with the store on tmpfs);
-    each more takes a core or two and its own copy of the model. At most ``MAX_DEVICES``
-    engine processes in all."""
-    if settings.engines_per_gpu != "auto":
-        wanted = settings.engines_per_gpu
-    else:
-        cores = cores or os.cpu_count() or 1
-        wanted = 2 if cores >= 16 * max(gpus, 1) else 1
-    return max(1, min(wanted, MAX_DEVICES // max(gpus, 1)))
-
-
-def engine_devices(
-    settings: Settings, gpus: Callable[[], int] = visible_gpus, cores: int | None = None
-) -> tuple[str, ...]:
-    """One entry per engine process: ``FLEETCACHE_DEVICE`` as listed; ``auto`` is
-    ``engines_per_gpu`` processes on every visible GPU (``cuda:0``, ``cuda:0``, ``cuda:1``...),
-    or, when that is one process, one engine that picks for itself as before (CUDA when
-    present, the CPU otherwise)."""
+def engine_devices(settings: Settings, gpus: Callable[[], int] = visible_gpus) -> tuple[str, ...]:
+    """One entry per engine process: ``FLEETCACHE_DEVICE`` as listed; ``auto`` is every
+    visible GPU ``FLEETCACHE_ENGINES_PER_GPU`` times (``cuda:0``, ``cuda:1``...; with 2,
+    ``cuda:0``, ``cuda:0``, ``cuda:1``...: one engine process is bound by its interpreter long
+    before its GPU, docs/BENCHMARKS.md), at most ``MAX_DEVICES`` in all; when that is one
+    process, one engine that picks for itself as before (CUDA when present, the CPU otherwise)."""
     if settings.devices != ("auto",) or settings.engine == "fake":
         return settings.devices
     count = gpus()
-    per_gpu = engines_per_gpu(settings, count, cores)
-    if count == 0 or count * per_gpu == 1:
+    per_gpu = max(1, min(settings.engines_per_gpu, MAX_DEVICES // max(count, 1)))
+    if count * per_gpu <= 1:
         return ("auto",)
     return tuple(f"cuda:{i}" for i in range(count) for _ in range(per_gpu))
 

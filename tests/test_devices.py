@@ -332,19 +332,15 @@ def test_device_lists_and_auto() -> None:
     with pytest.raises(ValueError, match="FLEETCACHE_DEVICE"):
         Settings(engine="torch", device="cuda:0,gpu1")
     torch = Settings(engine="torch", device="auto")
-    assert engine_devices(torch, gpus=lambda: 2, cores=16) == ("cuda:0", "cuda:1")
-    assert engine_devices(torch, gpus=lambda: 1, cores=8) == ("auto",)  # one picks as before
-    assert engine_devices(torch, gpus=lambda: 0, cores=64) == ("auto",)  # no GPU: the CPU
-    # 16 cores or more a GPU: two engine processes on each (one is bound by its interpreter)
-    assert engine_devices(torch, gpus=lambda: 1, cores=16) == ("cuda:0", "cuda:0")
-    two = ("cuda:0", "cuda:0", "cuda:1", "cuda:1")
-    assert engine_devices(torch, gpus=lambda: 2, cores=32) == two
-    assert len(engine_devices(torch, gpus=lambda: 16, cores=512)) == 16  # MAX_DEVICES
-    pinned = Settings(engine="torch", device="auto", engines_per_gpu=3)
-    assert engine_devices(pinned, gpus=lambda: 1, cores=2) == ("cuda:0",) * 3
-    one = Settings(engine="torch", device="auto", engines_per_gpu=1)
-    assert engine_devices(one, gpus=lambda: 1, cores=64) == ("auto",)
-    with pytest.raises(ValueError, match="FLEETCACHE_ENGINES_PER_GPU"):
+    assert engine_devices(torch, gpus=lambda: 2) == ("cuda:0", "cuda:1")
+    assert engine_devices(torch, gpus=lambda: 1) == ("auto",)  # one engine picks as before
+    assert engine_devices(torch, gpus=lambda: 0) == ("auto",)
+    two = Settings(engine="torch", device="auto", engines_per_gpu=2)  # two processes a GPU
+    assert engine_devices(two, gpus=lambda: 1) == ("cuda:0", "cuda:0")
+    assert engine_devices(two, gpus=lambda: 2) == ("cuda:0", "cuda:0", "cuda:1", "cuda:1")
+    assert engine_devices(two, gpus=lambda: 0) == ("auto",)  # no GPU: one engine, the CPU
+    assert len(engine_devices(two, gpus=lambda: 16)) == 16  # MAX_DEVICES in all
+    with pytest.raises(ValueError, match="engines_per_gpu"):
         Settings(engine="torch", engines_per_gpu=0)
     assert engine_devices(Settings(engine="torch", device="cuda:0,cuda:0")) == ("cuda:0",) * 2
     assert FakeEngine(device="cpu:1").info.fingerprint == FakeEngine().info.fingerprint
