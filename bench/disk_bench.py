@@ -26,7 +26,7 @@ def commit_rate(directory: Path, pages: int, file_pages: int, sequential: bool) 
     """Pages a second of one commit: ``pages`` pages written, then one fdatasync."""
     fd, name = tempfile.mkstemp(dir=directory, prefix="disk-bench-")
     try:
-        os.ftruncate(fd, file_pages * PAGE)
+        os.ftruncate(fd, file_pages * PAGE)  # sparse: the writes allocate, as LMDB's growing file
         os.fsync(fd)
         data = os.urandom(PAGE)
         start = random.randrange(file_pages - pages)
