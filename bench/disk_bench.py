@@ -29,16 +29,15 @@ def commit_rate(directory: Path, pages: int, file_pages: int, sequential: bool) 
         os.ftruncate(fd, file_pages * PAGE)  # sparse: the writes allocate, as LMDB's growing file
         os.fsync(fd)
         data = os.urandom(PAGE)
-        start = random.randrange(file_pages - pages)
-        where = (
-            range(start, start + pages) if sequential else random.sample(range(file_pages), pages)
-        )
-        began = time.perf_counter()
         if sequential:
-            os.pwrite(fd, data * pages, start * PAGE)
-        else:
-            for page in sorted(where):  # LMDB writes its dirty pages in page order too
-                os.pwrite(fd, data, page * PAGE)
+            start = random.randrange(file_pages - pages)
+            writes = [(data * pages, start * PAGE)]
+        else:  # in page order, as LMDB writes its dirty pages
+            chosen = sorted(random.sample(range(file_pages), pages))
+            writes = [(data, page * PAGE) for page in chosen]
+        began = time.perf_counter()
+        for buffer, offset in writes:
+            os.pwrite(fd, buffer, offset)
         os.fdatasync(fd)
         return pages / (time.perf_counter() - began)
     finally:
