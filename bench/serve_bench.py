@@ -133,6 +133,9 @@ class Server:
     def stats(self) -> dict[str, Any]:
         return dict(httpx.get(f"{self.url}/v1/stats", timeout=30).json())
 
+    def metrics(self) -> str:
+        return httpx.get(f"{self.url}/metrics", timeout=30).text
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -275,12 +278,15 @@ def measure_layout(
                 if beside is not None:
                     runs["health"].append(wrk.result(beside))
             cpu = EngineCpu(server)
+            if run == 0:
+                before = histograms(server.metrics())
             with profiled(args, server, out / f"profile-misses-{workers}.txt", run == 0):
                 runs["misses"].append(
                     wrk.run("misses.lua", url, c, d, FMT="base64", SALT=f"r{run}-")
                 )
             runs["engine_cpu"].append(cpu.per_item())
             runs["drain"].append(written_back_after(server))
+        row_stages = stage_means(before, histograms(server.metrics())) if args.runs else {}
         twins = measure_twins(server, wrk, c, d) if args.twins else None
         engines = server.stats()["processes"]["engines"]
         killed = None
@@ -292,6 +298,7 @@ def measure_layout(
         row["device_items"] = [device["items"] for device in stats["inference"]["devices"]]
         row["killed"] = killed
         row["twins"] = twins
+        row["stages"] = row_stages
         cpu_runs = runs.pop("engine_cpu")
         row["drain_s"] = median(runs.pop("drain"))
         row["engine_peak_mb"] = sum(peak_rss_mb(e["pid"]) for e in stats["processes"]["engines"])
@@ -319,6 +326,47 @@ def measure_layout(
         server.stop()
         shutil.rmtree(data_dir, ignore_errors=True)
         print(f"{name}: measured", file=sys.stderr)
+
+
+HISTOGRAM_PART = re.compile(r"^(fleetcache_\w+)_(sum|count)(\{[^}]*\})? (\S+)$")
+STAGES = {  # the histograms of a miss's way, as /metrics names them: (name, labels) -> row
+    ("fleetcache_request_duration_seconds", 'outcome="miss"'): "miss request (worker)",
+    ("fleetcache_request_stage_duration_seconds", 'stage="cache_lookup"'): "cache lookup",
+    ("fleetcache_lane_queue_wait_seconds", 'lane="dispatch"'): "batcher queue wait",
+    ("fleetcache_engine_stage_duration_seconds", 'stage="tokenize"'): "batch: pad / tokenize",
+    ("fleetcache_engine_stage_duration_seconds", 'stage="forward"'): "batch: forward",
+    ("fleetcache_engine_stage_duration_seconds", 'stage="postprocess"'): "batch: postprocess",
+    ("fleetcache_engine_batch_size_texts", ""): "batch size (texts, not ms)",
+}
+
+
+def histograms(exposition: str) -> dict[tuple[str, str], list[float]]:
+    """``{(histogram, labels): [sum, count]}`` of a /metrics text (fleetcache's own)."""
+    found: dict[tuple[str, str], list[float]] = {}
+    for line in exposition.splitlines():
+        if match := HISTOGRAM_PART.match(line):
+            name, part, labels, value = match.groups()
+            entry = found.setdefault((name, (labels or "{}")[1:-1]), [0.0, 0.0])
+            entry[part == "count"] += float(value)
+    return found
+
+
+def stage_means(
+    before: dict[tuple[str, str], list[float]], after: dict[tuple[str, str], list[float]]
+) -> dict[str, tuple[float, float]]:
+    """Mean of each ``STAGES`` histogram over what was observed between two scrapes (ms, or
+    texts for the batch size), with its count: a label set matches when it holds the
+    wanted label (a route's, say)."""
+    means: dict[str, tuple[float, float]] = {}
+    for (name, wanted), row in STAGES.items():
+        total = count = 0.0
+        for (found, labels), (s, c) in after.items():
+            if found == name and wanted in labels:
+                s0, c0 = before.get((found, labels), [0.0, 0.0])
+                total, count = total + s - s0, count + c - c0
+        scale = 1.0 if "texts" in row else 1000.0
+        means[row] = (total / count * scale if count else 0.0, count)
+    return means
 
 
 def written_back_after(server: Server, limit_s: float = 300.0) -> float:
@@ -622,6 +670,17 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
     phases = ("hits", "probe", "health", "misses")
     errors = {r["layout"]: sum(r[p]["errors"] for p in phases) for r in rows}
     print(f"\nwrk errors (connect/read/write/timeout/non-2xx): {errors}")
+    staged = [r for r in rows if r.get("stages")]
+    if staged:
+        print("\nwhere the misses' time went (means over the miss runs, ms; observed count):")
+        print_table(
+            ["layout", *STAGES.values()],
+            [
+                [r["layout"]]
+                + [f"{mean:.2f} ({count:,.0f})" for mean, count in r["stages"].values()]
+                for r in staged
+            ],
+        )
     warm = [r for r in rows if "warmup" in r]
     if warm:
         columns = ["layout", "warm-up records", "features/s alone", "tokenizer alone texts/s"]

@@ -83,8 +83,10 @@ class Settings(BaseSettings):
     )
     # cache
     store: StoreKind = "lmdb"
-    lmdb_writer: Literal["thread", "process"] = Field(
-        "thread", description="the engine's LMDB writes: in a thread, or in a child process"
+    lmdb_writer: Literal["auto", "thread", "process"] = Field(
+        "auto",
+        description="the engine's LMDB writes: in a thread, or in a child process of its own "
+        "(auto: a child on machines of 8 cores or more)",
     )
     redis_url: str = "redis://127.0.0.1:6379/0"
     data_dir: Path = Path("./data")

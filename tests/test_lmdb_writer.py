@@ -1,6 +1,6 @@
 """The engine process's LMDB writes run in a child process (``proxy.lmdb_writer``): what it
 acknowledges is committed and readable from any process, it refuses bad keys before sending,
-and a killed writer is replaced on the next write."""
+a killed writer is replaced on the next write, and ``auto`` picks it by the machine's cores."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from cache.stores import LmdbByteStore
+from proxy.engine_host import lmdb_writer, shared_tier
 from proxy.lmdb_writer import LmdbWriterStore
+from proxy.settings import Settings
 
 
 def run(coroutine: object) -> None:
@@ -71,5 +73,39 @@ def test_a_killed_writer_is_replaced_on_the_next_write(tmp_path: Path) -> None:
         assert store.pid is None
         with pytest.raises(ProcessLookupError):
             os.kill(first, 0)
+
+    run(main())
+
+
+@pytest.mark.parametrize(
+    ("setting", "cores", "expected"),
+    [
+        ("auto", 2, "thread"),  # the 2-core box: the child's interpreter costs a core's share
+        ("auto", 7, "thread"),
+        ("auto", 8, "process"),
+        ("auto", 16, "process"),  # the H200 machine: 1.43x the new texts with the child
+        ("thread", 16, "thread"),
+        ("process", 2, "process"),
+    ],
+)
+def test_where_the_writes_run_follows_the_setting_and_the_cores(
+    setting: str, cores: int, expected: str
+) -> None:
+    settings = Settings(lmdb_writer=setting)  # type: ignore[arg-type]
+    assert lmdb_writer(settings, cores) == expected
+
+
+@pytest.mark.parametrize("setting", ["auto", "thread", "process"])
+def test_the_engine_store_writes_where_the_setting_says(tmp_path: Path, setting: str) -> None:
+    """The engine process's shared tier is a writer child exactly when ``lmdb_writer`` says
+    so (``auto``: by this machine's cores), and writes through it reach LMDB."""
+
+    async def main() -> None:
+        settings = Settings(store="lmdb", data_dir=tmp_path, lmdb_writer=setting)  # type: ignore[arg-type]
+        async with shared_tier(settings) as tier:
+            child = isinstance(tier.store, LmdbWriterStore)
+            assert child == (lmdb_writer(settings) == "process")
+            await tier.amset([("k", b"v")])
+            assert await tier.amget(["k"]) == [b"v"]
 
     run(main())
