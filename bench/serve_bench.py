@@ -13,7 +13,10 @@ the same app in one process, ``create_app`` under uvicorn, as v1 ran) on a fresh
   p50/p99, how many texts each engine process took, the engine processes' CPU per text
   they took (their main threads, the event loops, and the whole processes: ``EngineCpu``),
   the seconds after the load until every vector it computed was in the store (what a burst
-  left queued for a store slower than the engine) and the engine processes' peak memory;
+  left queued for a store slower than the engine) and the engine processes' peak memory
+  (their LMDB writer children's included);
+- the misses' stage means: each stage histogram of ``/metrics`` (``STAGES``) between a
+  scrape before the first miss run and one after the last;
 - with ``--devices D ...``: each layout once per ``FLEETCACHE_DEVICE`` value (``cuda`` vs
   ``cuda:0,cuda:0``: one engine process or two on one GPU); with ``--kill-engine`` a
   layout of several engine processes runs its misses once more and kills the second engine
@@ -301,7 +304,8 @@ def measure_layout(
         row["stages"] = row_stages
         cpu_runs = runs.pop("engine_cpu")
         row["drain_s"] = median(runs.pop("drain"))
-        row["engine_peak_mb"] = sum(peak_rss_mb(e["pid"]) for e in stats["processes"]["engines"])
+        pids = [e["pid"] for e in stats["processes"]["engines"]]
+        row["engine_peak_mb"] = sum(map(peak_rss_mb, pids + children(pids)))
         row["engine_cpu"] = {k: median([r[k] for r in cpu_runs]) for k in ("loop", "process")}
         for phase, results in runs.items():
             if not results:
@@ -376,6 +380,15 @@ def written_back_after(server: Server, limit_s: float = 300.0) -> float:
     while server.stats()["cache"]["in_flight"] and time.monotonic() - started < limit_s:
         time.sleep(0.05)
     return time.monotonic() - started
+
+
+def children(pids: list[int]) -> list[int]:
+    """The child processes of ``pids`` (an engine's LMDB writer child, say)."""
+    found: list[int] = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            found += map(int, Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
+    return found
 
 
 def peak_rss_mb(pid: int) -> float:

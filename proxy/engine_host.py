@@ -339,11 +339,12 @@ WRITER_CHILD_CORES = 8  # FLEETCACHE_LMDB_WRITER=auto: a writer child from this 
 def lmdb_writer(settings: Settings, cores: int | None = None) -> str:
     """Where the engine process's LMDB writes run: ``thread`` or ``process`` (a writer child,
     ``proxy.lmdb_writer``). ``auto``: the child on a machine of ``WRITER_CHILD_CORES`` cores
-    or more. Measured (``bench/serve_bench.py``, docs/BENCHMARKS.md): on the H200 machine (16
-    cores) the child served 1.43x the new texts of the thread with the data dir on tmpfs
-    (37,123 vs 25,904 texts/s) and warmed 1.44x the features (16,346 vs 11,360/s); on the
-    2-core box the same new texts within the spread of runs and 0.8-0.9x the warm-up, its
-    extra interpreter taking a share of two cores. Between 2 and 16 cores not measured."""
+    or more. Measured (``bench/serve_bench.py``, docs/BENCHMARKS.md, 2026-12-02): on the H200
+    machine (16 cores) the child served 1.41x the new texts of the thread with the data dir on
+    its disk (31,458 vs 22,315 texts/s, medians of two runs in turns; p99 144 vs 208 ms), 1.43x
+    on tmpfs, where it also warmed 1.44x the features (a job on the disk: the same); on the
+    2-core box the same new texts (1.04x) and 0.80x the warm-up, its interpreter taking a
+    share of two cores. Between 2 and 16 cores not measured."""
     if settings.lmdb_writer != "auto":
         return settings.lmdb_writer
     return "process" if (cores or os.cpu_count() or 1) >= WRITER_CHILD_CORES else "thread"

@@ -1,16 +1,16 @@
 """The engine process's LMDB writes, in a child process of their own.
 
-``FLEETCACHE_LMDB_WRITER=process`` (the default is ``thread``). py-lmdb lets go of the GIL
-around every ``put`` and takes it back after, so a thread of the engine process writing back
-256 rows hands the interpreter to and from the event loop that drives the device 256 times.
-Seen on the H200 (``bench/serve_bench.py``, 8 workers, all new texts, 2026-12-01, py-spy): the
-engine's writer thread 100% busy, nearly all of it at the ``put`` line; with no write-back at
-all (``--store memory``) 32,738 new texts/s against 20,218. Here the engine process only sends
-the encoded entries; a child process with an interpreter of its own owns the write
-transactions, and reads stay local (LMDB readers never wait for the writer). Not yet a gain:
-its first form (one message per write-back) served 14,243 new texts/s on the H200 where the
-thread served 19,483 (the child was then busy in commit, i.e. fsync, and the engine's loop
-paid a message per write-back); this grouped form has not run there yet. The
+``FLEETCACHE_LMDB_WRITER=process``, or ``auto`` (the default) on a machine of 8 cores or more
+(``proxy.engine_host.lmdb_writer``). py-lmdb lets go of the GIL around every ``put`` and takes
+it back after, so a thread of the engine process writing back 256 rows hands the interpreter
+to and from the event loop that drives the device 256 times, and the loop, the batcher's
+threads and the writes share one GIL. Here the engine process only sends the encoded entries;
+a child process with an interpreter of its own owns the write transactions, and reads stay
+local (LMDB readers never wait for the writer). Measured on the H200 (``bench/serve_bench.py``,
+8 workers, all new texts, docs/BENCHMARKS.md): with no write-back at all (``--store memory``)
+53,254 new texts/s against 28,819 with the thread (2026-12-02, the data dir on tmpfs); this
+child 31,458 against 22,315 on that machine's disk and 37,123 against 25,904 on tmpfs (the
+first form, a message per write-back, served less than the thread: 2026-12-01). The
 write-backs that arrive while one group is on its way go together in the next (one message,
 one transaction, one fsync)::
 
