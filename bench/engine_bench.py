@@ -48,7 +48,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 
 
-def serve(run_dir: str, store: str) -> None:
+def serve(run_dir: str, store: str, writer: str = "thread") -> None:
     """The engine process (``--serve``): ``engine_main`` of whichever checkout is first on
     PYTHONPATH, its fake engine free of cost and tokenizing like the torch engine."""
     import numpy as np
@@ -66,6 +66,7 @@ def serve(run_dir: str, store: str) -> None:
     FakeEngine.forward = forward  # type: ignore[method-assign]
     FakeEngine.tokenizer = lambda self: tokenizer  # type: ignore[method-assign]
     settings: dict[str, Any] = {"engine": "fake", "store": store, "data_dir": f"{run_dir}/data"}
+    settings["lmdb_writer"] = writer
     settings |= {"device": "cpu", "max_batch_size": 256, "gpu_health_interval_s": 0}
     engine_main(ChildSpec(settings, run_dir, "warning", ("cpu",)))
 
@@ -139,6 +140,7 @@ def round_of(code: Path, args: argparse.Namespace, tag: str) -> dict[str, float]
     env["PYTHONPATH"] = os.pathsep.join([str(code), env.get("PYTHONPATH", "")])
     env["HF_HUB_OFFLINE"] = "1"
     command = [sys.executable, __file__, "--serve", str(run_dir), "--store", args.store]
+    command += ["--writer", args.writer]
     if args.pin:  # the engine process alone on the last core, the clients on the others
         command = ["taskset", "-c", str((os.cpu_count() or 2) - 1), *command]
     engine = subprocess.Popen(command, cwd=code, env=env)
@@ -198,6 +200,9 @@ def main() -> None:
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--before", default=None, help="another checkout to compare with")
     parser.add_argument("--store", default="lmdb", choices=["lmdb", "memory"])
+    parser.add_argument(
+        "--writer", default="thread", choices=["thread", "process"], help="FLEETCACHE_LMDB_WRITER"
+    )
     parser.add_argument("--clients", type=int, default=4, help="worker processes")
     parser.add_argument("--concurrency", type=int, default=8, help="calls in flight per worker")
     parser.add_argument("--duration", type=float, default=5.0)
@@ -205,7 +210,7 @@ def main() -> None:
     parser.add_argument("--pin", action="store_true", help="the engine on a core of its own")
     args = parser.parse_args()
     if args.serve:
-        serve(args.serve, args.store)
+        serve(args.serve, args.store, args.writer)
         return
     codes = ([("before", Path(args.before).resolve())] if args.before else []) + [("this", REPO)]
     results: dict[str, list[dict[str, float]]] = {name: [] for name, _ in codes}
@@ -216,7 +221,7 @@ def main() -> None:
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(
         f"# engine_bench {now}, {platform.node()} ({os.cpu_count()} cores): store "
-        f"{args.store}, {args.clients} clients x {args.concurrency} calls of 32 new texts, "
+        f"{args.store} (writer: {args.writer}), {args.clients} clients x {args.concurrency} calls of 32 new texts, "
         f"{args.duration} s x {args.runs} rounds; medians (range)"
     )
     print("| engine process of | new texts/s | loop CPU us per text | process CPU us per text |")
