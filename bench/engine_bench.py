@@ -221,7 +221,8 @@ def main() -> None:
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(
         f"# engine_bench {now}, {platform.node()} ({os.cpu_count()} cores): store "
-        f"{args.store} (writer: {args.writer}), {args.clients} clients x {args.concurrency} calls of 32 new texts, "
+        f"{args.store} (writer: {args.writer}), {args.clients} clients x {args.concurrency} "
+        f"calls of 32 new texts, "
         f"{args.duration} s x {args.runs} rounds; medians (range)"
     )
     print("| engine process of | new texts/s | loop CPU us per text | process CPU us per text |")
