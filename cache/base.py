@@ -11,6 +11,8 @@ from typing import Any, ClassVar
 
 from langchain_core.stores import BaseStore
 
+from cache.codec import RowEntries
+
 log = logging.getLogger("fleetcache.cache")
 
 
@@ -53,6 +55,12 @@ class CacheStore(BaseStore[str, bytes]):
 
     async def acontains(self, keys: Sequence[str]) -> list[bool]:
         return await asyncio.to_thread(self.contains, keys)
+
+    async def amset_rows(self, rows: RowEntries, extra: Sequence[tuple[str, bytes]] = ()) -> None:
+        """``amset`` of ``rows``, encoded, and of the ``extra`` entries, in one call (one
+        transaction where the store has them). A store writing in another process encodes
+        there (``proxy.lmdb_writer``)."""
+        await self.amset([*rows.entries(), *extra])
 
     def close(self) -> None:
         """Release files and connections; later calls may raise."""

@@ -33,6 +33,7 @@ import math
 import struct
 import zlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import numpy as np
@@ -122,6 +123,24 @@ def encode_many(
             for i, entry in zip(at, _entries(matrix[at], version, code, dates), strict=True):
                 out[i] = entry
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class RowEntries:
+    """Vectors to store as entries of this format under ``keys``, not encoded yet: the store
+    that writes them encodes them (``CacheStore.amset_rows``), so that one whose writes run
+    in another process (``proxy.lmdb_writer``) encodes there, off the sender's interpreter.
+    ``matrix``: (n, dim) float32 (or n vectors); ``expires_at``: one per row, or None."""
+
+    keys: Sequence[str]
+    matrix: npt.NDArray[np.float32] | Sequence[npt.NDArray[np.float32]]
+    dtype: Dtype = "float32"
+    expires_at: Sequence[float | None] | None = None
+
+    def entries(self) -> list[tuple[str, bytes]]:
+        expiry = self.expires_at or [None] * len(self.keys)
+        values = encode_many(self.matrix, self.dtype, expires_at=expiry)
+        return list(zip(self.keys, values, strict=True))
 
 
 def _entries(

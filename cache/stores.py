@@ -23,7 +23,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import lmdb
 from langchain_core.stores import ByteStore
@@ -522,6 +522,25 @@ class TieredByteStore(CacheStore):
             else:
                 self._store_ok()
         self.memory.mset(key_value_pairs)
+
+    async def amset_rows(
+        self, rows: codec.RowEntries, extra: Sequence[tuple[str, bytes]] = ()
+    ) -> None:
+        """``amset`` of ``rows`` and ``extra``, the rows encoded by the store itself when
+        this tier keeps no copy in memory (the engine process's shared tier: a writer child
+        encodes them in its own interpreter), else here, once, for both tiers."""
+        if self.memory.max_bytes or not isinstance(self.store, CacheStore):
+            await self.amset([*rows.entries(), *extra])
+            return
+        store = self._live_store()
+        if store is None:  # skipped while degraded
+            return
+        try:
+            await cast("CacheStore", store).amset_rows(rows, extra)
+        except Exception as exc:
+            self._store_failed("mset", exc)
+        else:
+            self._store_ok()
 
     def mdelete(self, keys: Sequence[str]) -> None:
         if self.store is not None and keys:

@@ -17,7 +17,7 @@ import numpy.typing as npt
 from langchain_core.stores import ByteStore
 
 from cache import codec
-from cache.base import ErrorLog
+from cache.base import CacheStore, ErrorLog
 from cache.links import EntityLinks
 
 Row = npt.NDArray[np.float32]
@@ -84,10 +84,14 @@ class VectorWriter:
         if not len(texts):
             return True
         now = self._wall_clock()
-        expiry = [None if (ttl := ttl_s.get(t)) is None else now + ttl for t in texts]
-        values = codec.encode_many(rows, self.dtype, expires_at=expiry)
+        expiry = None
+        if ttl_s:
+            expiry = [None if (ttl := ttl_s.get(t)) is None else now + ttl for t in texts]
         hashed = list(map(self.key, texts)) if keys is None else keys
-        entries = list(zip(hashed, values, strict=True))
+        if len(hashed) != len(texts) or len(rows) != len(texts):
+            raise ValueError(f"{len(hashed)} keys and {len(rows)} rows for {len(texts)} texts")
+        entries = codec.RowEntries(hashed, rows, self.dtype, expiry)
+        changed: list[tuple[str, bytes]] = []
         stale: list[str] = []
         try:
             if links:
@@ -95,8 +99,10 @@ class VectorWriter:
                 entities = [(kind, entity_id) for kind, entity_id, _ in links]
                 targets = [known.get(t) or self.key(t) for *_, t in links]
                 changed, stale = await self.links.plan(entities, targets)
-                entries += changed
-            await self.store.amset(entries)
+            if isinstance(self.store, CacheStore):  # encoded by the store (a writer child)
+                await self.store.amset_rows(entries, changed)
+            else:
+                await self.store.amset([*entries.entries(), *changed])
             if stale:
                 await self.store.amdelete(stale)
         except Exception as exc:

@@ -4,20 +4,26 @@
 (``proxy.engine_host.lmdb_writer``). py-lmdb lets go of the GIL around every ``put`` and takes
 it back after, so a thread of the engine process writing back 256 rows hands the interpreter
 to and from the event loop that drives the device 256 times, and the loop, the batcher's
-threads and the writes share one GIL. Here the engine process only sends the encoded entries;
-a child process with an interpreter of its own owns the write transactions, and reads stay
-local (LMDB readers never wait for the writer). Measured on the H200 (``bench/serve_bench.py``,
-8 workers, all new texts, docs/BENCHMARKS.md): with no write-back at all (``--store memory``)
-53,254 new texts/s against 28,819 with the thread (2026-12-02, the data dir on tmpfs); this
-child 31,458 against 22,315 on that machine's disk and 37,123 against 25,904 on tmpfs (the
-first form, a message per write-back, served less than the thread: 2026-12-01). The
-write-backs that arrive while one group is on its way go together in the next (one message,
-one transaction, one fsync)::
+threads and the writes share one GIL. Here a child process with an interpreter of its own
+owns the write transactions; reads stay local (LMDB readers never wait for the writer). The
+engine's write-backs send their rows unencoded (``amset_rows``: one float32 frame, their keys
+and expiry, and the entries written with them, such as links): the child encodes them, checks
+their keys (a bad one fails that call alone) and writes them with the calls that arrived
+meanwhile, in one transaction with one fsync. Other writes (``amset``) are grouped here, one
+message a group::
 
     engine process                                 writer child (writer_main)
-      TieredByteStore                                LmdbByteStore.mset: one transaction
-        LmdbWriterStore.amset: group ---- keys, values -->
+      TieredByteStore                                LmdbByteStore.amset: group commit
+        LmdbWriterStore.amset_rows ---- keys, rows, links -->  encode_many, keys checked
+        LmdbWriterStore.amset: group ---- keys, values ------>  (one transaction a group)
         reads, deletes: its own transactions  <------ ack (the entries are committed)
+
+Measured on the H200 (``bench/serve_bench.py``, 8 workers, all new texts, docs/BENCHMARKS.md,
+2026-12-02), the child when it was sent encoded entries (bc7df02): 31,458 new texts/s against
+22,315 with the thread on that machine's disk, 37,123 against 25,904 on tmpfs (no write-back
+at all: 53,254). Encoding in the child took the engine's loop from 11.8 to 10.8 us of CPU a
+new text on the 2-core box (``bench/engine_bench.py --writer process``); not run on the H200.
+The first form (a message per write-back, encoded, 2026-12-01) served less than the thread.
 
 The child dies with the engine process (PDEATHSIG) and the engine starts another on the next
 write after it exited; a write it does not acknowledge raises here, where the tiers count it
@@ -37,8 +43,11 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from cache.codec import RowEntries
 from cache.stores import GiB, LmdbByteStore, fsync_options
-from proxy.ipc import RpcClient, RpcServer
+from proxy.ipc import Handler, RpcClient, RpcServer
 
 log = logging.getLogger("fleetcache.engine")
 
@@ -86,21 +95,39 @@ class LmdbWriterStore(LmdbByteStore):
     def pid(self) -> int | None:
         return None if self._process is None else self._process.pid
 
-    async def _commit(self, items: Sequence[tuple[str, bytes]]) -> None:
-        """A group of ``amset`` calls (``LmdbByteStore``'s group commit) as one message."""
+    async def _live_client(self) -> RpcClient:
+        """The client of a running child (another started if this one died)."""
         if self._client is None or self._process is None:
             raise RuntimeError("LmdbWriterStore.start() has not been called")
         if self._process.exitcode is not None:  # died (killed, or the OOM killer): again
             log.warning("the LMDB writer exited with %s; starting another", self._process.exitcode)
             self._spawn()
             await self._client.wait_up(WRITE_TIMEOUT_S)
-        keys = [key for key, _ in items]
-        for key in keys:
+        return self._client
+
+    async def _commit(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """A group of ``amset`` calls (``LmdbByteStore``'s group commit) as one message."""
+        client = await self._live_client()
+        for key, _ in items:
             self._key(key)  # the same ValueError as a local write, before anything is sent
-        values = [value for _, value in items]
-        cuts = list(accumulate(map(len, values)))[:-1]
-        await self._client.call(
-            "mset", [b"".join(values)], keys=keys, cuts=cuts, timeout_s=WRITE_TIMEOUT_S
+        await client.call("mset", [_joined(items)], **_cut(items), timeout_s=WRITE_TIMEOUT_S)
+
+    async def amset_rows(self, rows: RowEntries, extra: Sequence[tuple[str, bytes]] = ()) -> None:
+        """One message per call: the rows as one float32 frame, encoded by the child (and
+        their keys checked there, before the call joins a transaction: a bad key fails this
+        call alone), ``extra`` entries in the same transaction. The child groups concurrent
+        calls into one commit as ``amset`` does."""
+        client = await self._live_client()
+        matrix = np.ascontiguousarray(rows.matrix, dtype=np.float32)
+        await client.call(
+            "mset_rows",
+            [matrix.data, _joined(extra)],
+            keys=list(rows.keys),
+            dim=int(matrix.shape[-1]) if matrix.ndim == 2 else 0,
+            dtype=rows.dtype,
+            expires_at=None if rows.expires_at is None else list(rows.expires_at),
+            extra=_cut(extra),
+            timeout_s=WRITE_TIMEOUT_S,
         )
 
     async def aclose(self) -> None:
@@ -136,14 +163,43 @@ async def _writer(path: str, map_size: int, fsync_every_s: float, address: str) 
         return {"pid": os.getpid()}, ()
 
     async def mset(message: dict[str, Any], blobs: list[Any]) -> tuple[dict[str, Any], tuple[()]]:
-        data: bytes = blobs[0].bytes
-        bounds = pairwise([0, *message["cuts"], len(data)])
-        await store.amset(
-            [(k, data[a:b]) for k, (a, b) in zip(message["keys"], bounds, strict=True)]
-        )
+        await store.amset(_split(message, blobs[0].bytes))
         return {}, ()
 
+    async def mset_rows(
+        message: dict[str, Any], blobs: list[Any]
+    ) -> tuple[dict[str, Any], tuple[()]]:
+        keys, dim = message["keys"], message["dim"]
+        matrix = np.frombuffer(blobs[0].buffer, "<f4").reshape(len(keys), dim)
+        entries = RowEntries(keys, matrix, message["dtype"], message["expires_at"]).entries()
+        entries += _split(message["extra"], blobs[1].bytes)
+        for key, _ in entries:
+            store._key(key)  # a ValueError fails this call before it joins a transaction
+        await store.amset(entries)
+        return {}, ()
+
+    handlers: dict[str, Handler] = {"ping": ping, "mset": mset, "mset_rows": mset_rows}
     try:
-        await serve_until_stopped(RpcServer(address, {"ping": ping, "mset": mset}))
+        await serve_until_stopped(RpcServer(address, handlers))
     finally:
         store.close()
+
+
+def _joined(items: Sequence[tuple[str, bytes]]) -> bytes:
+    return b"".join(value for _, value in items)
+
+
+def _cut(items: Sequence[tuple[str, bytes]]) -> dict[str, Any]:
+    """``keys`` and ``cuts`` (where each value ends in their joined frame, the last left out)."""
+    return {
+        "keys": [key for key, _ in items],
+        "cuts": list(accumulate(len(v) for _, v in items))[:-1],
+    }
+
+
+def _split(message: dict[str, Any], data: bytes) -> list[tuple[str, bytes]]:
+    """The entries of ``_cut``'s ``keys`` and ``cuts`` over their joined ``data``."""
+    if not message["keys"]:
+        return []
+    bounds = pairwise([0, *message["cuts"], len(data)])
+    return [(key, data[a:b]) for key, (a, b) in zip(message["keys"], bounds, strict=True)]

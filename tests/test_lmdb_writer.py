@@ -1,6 +1,7 @@
 """The engine process's LMDB writes run in a child process (``proxy.lmdb_writer``): what it
 acknowledges is committed and readable from any process, it refuses bad keys before sending,
-a killed writer is replaced on the next write, and ``auto`` picks it by the machine's cores."""
+a killed writer is replaced on the next write, rows sent unencoded are stored as this process
+would encode them, and ``auto`` picks the child by the machine's cores."""
 
 from __future__ import annotations
 
@@ -9,9 +10,13 @@ import os
 import signal
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from cache.stores import LmdbByteStore
+from cache import codec
+from cache.codec import RowEntries
+from cache.stores import LmdbByteStore, MemoryByteStore, TieredByteStore
+from cache.writer import VectorWriter
 from proxy.engine_host import lmdb_writer, shared_tier
 from proxy.lmdb_writer import LmdbWriterStore
 from proxy.settings import Settings
@@ -107,5 +112,99 @@ def test_the_engine_store_writes_where_the_setting_says(tmp_path: Path, setting:
             assert child == (lmdb_writer(settings) == "process")
             await tier.amset([("k", b"v")])
             assert await tier.amget(["k"]) == [b"v"]
+
+    run(main())
+
+
+def test_rows_sent_unencoded_are_stored_as_the_engine_would_encode_them(tmp_path: Path) -> None:
+    """``amset_rows``: the child encodes the rows (with and without an expiry) into the
+    same bytes ``encode_many`` gives here, and writes the extra entries in the same call."""
+    rng = np.random.default_rng(7)
+    matrix = rng.standard_normal((5, 384)).astype(np.float32)
+    expiry = [None, 1_900_000_000.5, None, 1_900_000_001.0, None]
+    keys = [f"t1-x:{i}" for i in range(5)]
+
+    async def main() -> None:
+        store = await LmdbWriterStore(tmp_path / "cache.lmdb").start()
+        try:
+            rows = RowEntries(keys, matrix, "float32", expiry)
+            await store.amset_rows(rows, [("link:driver:d1", b"t1-x:0")])
+            assert store.mget([*keys, "link:driver:d1"]) == [
+                *codec.encode_many(matrix, "float32", expires_at=expiry),
+                b"t1-x:0",
+            ]
+            half = RowEntries(["h"], matrix[:1], "float16")  # no expiry at all
+            await store.amset_rows(half)
+            assert store.mget(["h"]) == [codec.encode(matrix[0], "float16")]
+        finally:
+            await store.aclose()
+
+    run(main())
+
+
+def test_a_bad_key_fails_only_its_own_rows_call(tmp_path: Path) -> None:
+    """The child checks a call's keys before it joins a transaction: a call with a key
+    LMDB refuses fails alone (nothing of it written), calls beside it are committed."""
+    matrix = np.ones((2, 8), np.float32)
+
+    async def main() -> None:
+        store = await LmdbWriterStore(tmp_path / "cache.lmdb").start()
+        try:
+            bad = store.amset_rows(RowEntries(["ok-1", "x" * 600], matrix))
+            good = store.amset_rows(RowEntries(["ok-2", "ok-3"], matrix))
+            outcomes = await asyncio.gather(bad, good, return_exceptions=True)
+            assert isinstance(outcomes[0], Exception) and "LMDB keys" in str(outcomes[0])
+            assert outcomes[1] is None
+            assert [v is not None for v in store.mget(["ok-1", "ok-2", "ok-3"])] == [
+                False,
+                True,
+                True,
+            ]
+        finally:
+            await store.aclose()
+
+    run(main())
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_the_engine_write_back_stores_the_same_bytes_either_way(
+    tmp_path: Path, writer: str
+) -> None:
+    """``VectorWriter.write_rows`` over the engine's shared tier (no memory copy): vectors,
+    their TTL'd expiry and the entities' links land as the in-process encoding writes them,
+    whether the writer child encodes them or this process does."""
+    texts = ["driver a", "driver b", "driver c"]
+    matrix = np.arange(3 * 16, dtype=np.float32).reshape(3, 16)
+    links = [("driver", "d1", "driver a"), ("driver", "d2", "driver c")]
+
+    async def main() -> None:
+        settings = Settings(store="lmdb", data_dir=tmp_path, lmdb_writer=writer)  # type: ignore[arg-type]
+        async with shared_tier(settings) as tier:
+            assert isinstance(tier.store, LmdbWriterStore) == (writer == "process")
+            vectors = VectorWriter(tier, namespace="t1-x", wall_clock=lambda: 1_000.0)
+            ok = await vectors.write_rows(texts, matrix, {"driver b": 60.0}, links=links)
+            assert ok and tier.store_errors == 0
+            keys = [vectors.key(t) for t in texts]
+            expiry = [None, 1_060.0, None]
+            expected = codec.encode_many(matrix, "float32", expires_at=expiry)
+            assert await tier.amget(keys) == expected
+            linked = [vectors.links.key("driver", d) for d in ("d1", "d2")]
+            assert await tier.amget(linked) == [keys[0].encode(), keys[2].encode()]
+
+    run(main())
+
+
+def test_a_failing_store_under_rows_is_counted_not_raised() -> None:
+    """The tiers absorb a store that fails on ``amset_rows`` as on ``amset``: counted, the
+    store marked degraded, nothing raised to the write-back."""
+
+    class Broken(MemoryByteStore):
+        async def amset_rows(self, rows: RowEntries, extra: object = ()) -> None:
+            raise OSError("disk gone")
+
+    async def main() -> None:
+        tier = TieredByteStore(MemoryByteStore(0), Broken(1 << 20))
+        await tier.amset_rows(RowEntries(["k"], np.ones((1, 4), np.float32)))
+        assert tier.store_errors == 1 and tier.store_degraded
 
     run(main())
