@@ -121,6 +121,7 @@ def test_rows_sent_unencoded_are_stored_as_the_engine_would_encode_them(tmp_path
     same bytes ``encode_many`` gives here, and writes the extra entries in the same call."""
     rng = np.random.default_rng(7)
     matrix = rng.standard_normal((5, 384)).astype(np.float32)
+    matrix.flags.writeable = False  # as the in-flight map hands its rows over (shared)
     expiry = [None, 1_900_000_000.5, None, 1_900_000_001.0, None]
     keys = [f"t1-x:{i}" for i in range(5)]
 
