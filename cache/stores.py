@@ -21,7 +21,7 @@ import asyncio
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, cast
 
@@ -512,15 +512,22 @@ class TieredByteStore(CacheStore):
                 self._store_ok()
         self.memory.mset(key_value_pairs)
 
+    async def _awrite(self, write: Callable[[ByteStore], Awaitable[None]]) -> None:
+        """``write`` to the store, unless it is skipped while degraded: a failure is counted
+        and absorbed (``amset``, ``amset_rows``)."""
+        store = self._live_store()
+        if store is None:
+            return
+        try:
+            await write(store)
+        except Exception as exc:
+            self._store_failed("mset", exc)
+        else:
+            self._store_ok()
+
     async def amset(self, key_value_pairs: Sequence[tuple[str, bytes]]) -> None:
-        store = self._live_store() if key_value_pairs else None
-        if store is not None:
-            try:
-                await store.amset(key_value_pairs)
-            except Exception as exc:
-                self._store_failed("mset", exc)
-            else:
-                self._store_ok()
+        if key_value_pairs:
+            await self._awrite(lambda store: store.amset(key_value_pairs))
         self.memory.mset(key_value_pairs)
 
     async def amset_rows(
@@ -531,16 +538,8 @@ class TieredByteStore(CacheStore):
         encodes them in its own interpreter), else here, once, for both tiers."""
         if self.memory.max_bytes or not isinstance(self.store, CacheStore):
             await self.amset([*rows.entries(), *extra])
-            return
-        store = self._live_store()
-        if store is None:  # skipped while degraded
-            return
-        try:
-            await cast("CacheStore", store).amset_rows(rows, extra)
-        except Exception as exc:
-            self._store_failed("mset", exc)
-        else:
-            self._store_ok()
+        elif len(rows.keys) or extra:
+            await self._awrite(lambda store: cast("CacheStore", store).amset_rows(rows, extra))
 
     def mdelete(self, keys: Sequence[str]) -> None:
         if self.store is not None and keys:
