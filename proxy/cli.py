@@ -118,6 +118,7 @@ def serve(
 ) -> None:
     """Run the proxy: an engine process, the fleet index owner and N HTTP workers on one port
     (settings from FLEETCACHE_* variables)."""
+    from proxy.cores import usable_cores
     from proxy.supervisor import Supervisor, auto_workers
 
     settings = load_settings(writes=True)
@@ -129,8 +130,9 @@ def serve(
             console.print(f"[red]FLEETCACHE_API_KEYS_FILE:[/red] {exc}")
             raise typer.Exit(2) from None
     wanted = workers if workers is not None else settings.workers
+    cores = usable_cores()
     try:
-        count = auto_workers() if wanted == "auto" else int(wanted)
+        count = auto_workers(cores) if wanted == "auto" else int(wanted)
         if count < 1:
             raise ValueError
     except ValueError:
@@ -139,7 +141,8 @@ def serve(
     base = f"http://{host}:{port}"
     console.print(
         f"fleetcache: engine={settings.engine} store={settings.store} "
-        f"data={settings.data_dir} demo drivers={settings.demo_drivers} workers={count}\n"
+        f"data={settings.data_dir} demo drivers={settings.demo_drivers} workers={count}"
+        f"{f' (auto: {cores} usable cores)' if wanted == 'auto' else ''}\n"
         f"  {base}/readyz turns 200 once the engine is warm and the fleet is loaded\n"
         f"  try: curl {base}/v1/stats | curl {base}/docs | fleetcache stats --url {base}"
     )

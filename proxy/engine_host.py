@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import asdict
@@ -41,6 +40,7 @@ from engines.registry import create_engine
 from engines.tokenization import FastTokenizer, Tokenized
 from features.text import TEXT_SCHEMA_VERSION
 from proxy.board import Board
+from proxy.cores import usable_cores
 from proxy.gpu_health import GpuCheck
 from proxy.ipc import Blobs, Handler, RpcClient, RpcServer, frame_rows, rows_frame
 from proxy.lmdb_writer import LmdbWriterStore
@@ -338,16 +338,17 @@ WRITER_CHILD_CORES = 8  # FLEETCACHE_LMDB_WRITER=auto: a writer child from this 
 
 def lmdb_writer(settings: Settings, cores: int | None = None) -> str:
     """Where the engine process's LMDB writes run: ``thread`` or ``process`` (a writer child,
-    ``proxy.lmdb_writer``). ``auto``: the child on a machine of ``WRITER_CHILD_CORES`` cores
-    or more. Measured (``bench/serve_bench.py``, docs/BENCHMARKS.md, 2026-12-02): on the H200
-    machine (16 cores) the child served 1.41x the new texts of the thread with the data dir on
-    its disk (31,458 vs 22,315 texts/s, medians of two runs in turns; p99 144 vs 208 ms), 1.43x
-    on tmpfs, where it also warmed 1.44x the features (a job on the disk: the same); on the
-    2-core box the same new texts (1.04x) and 0.80x the warm-up, its interpreter taking a
-    share of two cores. Between 2 and 16 cores not measured."""
+    ``proxy.lmdb_writer``). ``auto``: the child with ``WRITER_CHILD_CORES`` usable cores or
+    more (``proxy.cores``). Measured (``bench/serve_bench.py``, docs/BENCHMARKS.md,
+    2026-12-02): on the H200 machine (16 cores) the child served 1.41x the new texts of the
+    thread with the data dir on its disk (31,458 vs 22,315 texts/s, medians of two runs in
+    turns; p99 144 vs 208 ms), 1.43x on tmpfs, where it also warmed 1.44x the features (a job
+    on the disk: the same); on the 2-core box the same new texts (1.04x) and 0.80x the
+    warm-up, its interpreter taking a share of two cores. Between 2 and 16 cores not
+    measured."""
     if settings.lmdb_writer != "auto":
         return settings.lmdb_writer
-    return "process" if (cores or os.cpu_count() or 1) >= WRITER_CHILD_CORES else "thread"
+    return "process" if (cores or usable_cores()) >= WRITER_CHILD_CORES else "thread"
 
 
 @contextlib.asynccontextmanager

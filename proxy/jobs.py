@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from proxy.board import Boards
+from proxy.cores import usable_cores
 from proxy.processes import ChildSpec
 from proxy.settings import Settings
 from proxy.warmup import Shard, WarmupProgress, shown_source
@@ -210,11 +211,12 @@ class JobOptions:
 
 def shard_count(settings: Settings, cores: int | None = None) -> int:
     """``FLEETCACHE_WARMUP_PROCESSES``: reader processes of one warm-up job. ``auto``: one
-    per four cores (a shard is one interpreter reading, validating and rendering its rows;
-    the engine process and the HTTP workers keep the rest), at most 8."""
+    per four usable cores (``proxy.cores``; a shard is one interpreter reading, validating
+    and rendering its rows; the engine process and the HTTP workers keep the rest), at most
+    8."""
     if settings.warmup_processes != "auto":
         return int(settings.warmup_processes)
-    return max(1, min(8, (cores or os.cpu_count() or 1) // 4))
+    return max(1, min(8, (cores or usable_cores()) // 4))
 
 
 async def run_shard(

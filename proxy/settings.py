@@ -86,7 +86,7 @@ class Settings(BaseSettings):
     lmdb_writer: Literal["auto", "thread", "process"] = Field(
         "auto",
         description="the engine's LMDB writes: in a thread, or in a child process of its own "
-        "(auto: a child on machines of 8 cores or more)",
+        "(auto: a child with 8 usable cores or more, proxy.cores)",
     )
     redis_url: str = "redis://127.0.0.1:6379/0"
     data_dir: Path = Path("./data")
@@ -140,7 +140,7 @@ class Settings(BaseSettings):
     # processes (fleetcache serve): one engine process, one fleet index owner, N HTTP workers
     workers: int | Literal["auto"] = Field("auto", description="HTTP worker processes")
     warmup_processes: int | Literal["auto"] = Field(
-        "auto", description="reader processes of one warm-up job (auto: cores / 4, <= 8)"
+        "auto", description="reader processes of one warm-up job (auto: usable cores / 4, <= 8)"
     )
     # A worker serves ~900-1,200 requests of 32 cached texts a second on the H200 machine and
     # ~2,300 on the 2-core box (docs/BENCHMARKS.md): 64 waiting is 30-70 ms of queue; past
