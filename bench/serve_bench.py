@@ -16,7 +16,8 @@ the same app in one process, ``create_app`` under uvicorn, as v1 ran) on a fresh
   left queued for a store slower than the engine) and the engine processes' peak memory
   (their LMDB writer children's included);
 - the misses' stage means: each stage histogram of ``/metrics`` (``STAGES``) between a
-  scrape before the first miss run and one after the last;
+  scrape before the first miss run and one after the last, and the share of miss requests
+  whose engine call waited for the store (``cache.store_waits``: then the store bounds them);
 - with ``--devices D ...``: each layout once per ``FLEETCACHE_DEVICE`` value (``cuda`` vs
   ``cuda:0,cuda:0``: one engine process or two on one GPU); with ``--kill-engine`` a
   layout of several engine processes runs its misses once more and kills the second engine
@@ -282,14 +283,14 @@ def measure_layout(
                     runs["health"].append(wrk.result(beside))
             cpu = EngineCpu(server)
             if run == 0:
-                before = histograms(server.metrics())
+                before = server.metrics()
             with profiled(args, server, out / f"profile-misses-{workers}.txt", run == 0):
                 runs["misses"].append(
                     wrk.run("misses.lua", url, c, d, FMT="base64", SALT=f"r{run}-")
                 )
             runs["engine_cpu"].append(cpu.per_item())
             runs["drain"].append(written_back_after(server))
-        row_stages = stage_means(before, histograms(server.metrics())) if args.runs else {}
+        row_stages = stage_means(before, server.metrics()) if args.runs else {}
         twins = measure_twins(server, wrk, c, d) if args.twins else None
         engines = server.stats()["processes"]["engines"]
         killed = None
@@ -355,12 +356,17 @@ def histograms(exposition: str) -> dict[tuple[str, str], list[float]]:
     return found
 
 
-def stage_means(
-    before: dict[tuple[str, str], list[float]], after: dict[tuple[str, str], list[float]]
-) -> dict[str, tuple[float, float]]:
-    """Mean of each ``STAGES`` histogram over what was observed between two scrapes (ms, or
-    texts for the batch size), with its count: a label set matches when it holds the
-    wanted label (a route's, say)."""
+STORE_WAITS = re.compile(r"^fleetcache_cache_store_waits_total(?:\{[^}]*\})? (\S+)$", re.MULTILINE)
+WAITED = "engine calls that waited for the store (%, not ms)"
+
+
+def stage_means(before_text: str, after_text: str) -> dict[str, tuple[float, float]]:
+    """Mean of each ``STAGES`` histogram over what was observed between two /metrics scrapes
+    (ms, or texts for the batch size), with its count: a label set matches when it holds
+    the wanted label (a route's, say). Then ``WAITED``: the share of miss requests whose
+    engine call waited for the store to catch up (``FLEETCACHE_MAX_UNWRITTEN``: the store is
+    then what bounds new texts), with their count."""
+    before, after = histograms(before_text), histograms(after_text)
     means: dict[str, tuple[float, float]] = {}
     for (name, wanted), row in STAGES.items():
         total = count = 0.0
@@ -370,6 +376,10 @@ def stage_means(
                 total, count = total + s - s0, count + c - c0
         scale = 1.0 if "texts" in row else 1000.0
         means[row] = (total / count * scale if count else 0.0, count)
+    waited = sum(map(float, STORE_WAITS.findall(after_text)))
+    waited -= sum(map(float, STORE_WAITS.findall(before_text)))
+    requests = means["miss request (worker)"][1]
+    means[WAITED] = (100.0 * waited / requests if requests else 0.0, waited)
     return means
 
 
@@ -687,7 +697,7 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
     if staged:
         print("\nwhere the misses' time went (means over the miss runs, ms; observed count):")
         print_table(
-            ["layout", *STAGES.values()],
+            ["layout", *STAGES.values(), WAITED],
             [
                 [r["layout"]]
                 + [f"{mean:.2f} ({count:,.0f})" for mean, count in r["stages"].values()]
