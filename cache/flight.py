@@ -16,7 +16,8 @@ An entry lives until its rows are written back, so a caller arriving later finds
 flight or in the store, never neither (API.md v1.1). One window remains: a caller whose store
 lookup read just before a write-back landed reaches the map just after the entry left it (seen
 as one text embedded twice in 12,000 by the kill-and-resume warm-up test). So the last
-``recent`` texts written stay joinable, with when they were written, and a caller that says
+``recent // 2`` to ``recent`` texts written (two generations) stay joinable, with when they
+were written, and a caller that says
 when its lookup began (``since``) joins those written after that, as coalesced. Texts written
 before its lookup began were in the store for it: missing them there means they expired, were
 dropped or the store failed, and they are computed again.
@@ -50,7 +51,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import NamedTuple, Protocol, runtime_checkable
 
@@ -150,8 +150,12 @@ class SingleFlight:
         self._count_misses = count_misses
         self._per_item_ms = per_item_ms
         self._inflight: dict[str, _Flight] = {}  # text -> the flight computing it
-        self._recent: OrderedDict[str, _Flight] = OrderedDict()  # text -> its written flight
-        self._max_recent = recent
+        # text -> its written flight, in two generations: the newer takes each text written
+        # back; holding ``recent // 2`` it becomes the older, the older dropped whole (one
+        # dict operation a text on the engine's loop, no per-text eviction)
+        self._recent: dict[str, _Flight] = {}
+        self._older: dict[str, _Flight] = {}
+        self._generation = max(1, recent // 2)
         self._on_settled = on_settled  # called when a flight's entries leave the map
         self._tasks: set[asyncio.Task[None]] = set()
         self._max_unwritten = max_unwritten
@@ -194,10 +198,15 @@ class SingleFlight:
         flight: _Flight | None = None  # this call's own computation, if it needs one
         waits: list[_Flight] = []  # each text's flight
         coalesced: list[bool] = []
-        recent, joinable_after = self._recent, float("inf") if since is None else since
+        recent, older = self._recent, self._older
+        joinable_after = float("inf") if since is None else since
         for i, text in enumerate(texts):
             owner = inflight.get(text)
-            if owner is None and (late := recent.get(text)) and late.written_at >= joinable_after:
+            if (
+                owner is None
+                and (late := recent.get(text) or older.get(text))
+                and late.written_at >= joinable_after
+            ):
                 owner = late
             coalesced.append(owner is not None)  # earlier in these texts counts too
             if owner is None:
@@ -286,9 +295,8 @@ class SingleFlight:
                     del inflight[text]
                     if stored:
                         recent[text] = flight
-                        recent.move_to_end(text)
-            while len(self._recent) > self._max_recent:
-                self._recent.popitem(last=False)
+            if len(recent) >= self._generation:
+                self._older, self._recent = recent, {}
             if self._on_settled is not None:
                 self._on_settled()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -203,6 +204,36 @@ def test_the_write_back_stores_each_text_under_the_key_its_caller_hashed() -> No
         return flight.in_flight
 
     assert asyncio.run(miscounted()) == 0  # nothing left in flight that nobody computes
+
+
+def test_texts_just_written_back_stay_joinable_for_a_lookup_that_began_before() -> None:
+    """A caller whose store lookup began before a text's write-back landed (``since``)
+    joins it as coalesced instead of computing it again; one whose lookup began after
+    computes it (it was in the store for it); the window keeps the last ``recent // 2`` to
+    ``recent`` texts written (two generations), older ones are computed again."""
+
+    async def write_back(*_: Any) -> bool:
+        return True
+
+    async def scenario() -> None:
+        compute = FakeCompute()
+        flight = SingleFlight(compute, DIM, write_back=write_back, recent=4)
+        before = time.monotonic()
+        await flight.embed(["a", "b"], lane="dispatch", caller="c")  # durable: written back
+        joined = await flight.embed(["a", "x"], lane="dispatch", caller="c", since=before)
+        assert joined.coalesced == [True, False]
+        np.testing.assert_array_equal(joined.rows[0], vec("a"))
+        after = time.monotonic()
+        again = await flight.embed(["b"], lane="dispatch", caller="c", since=after)
+        assert again.coalesced == [False]  # looked up after the write: the store had it
+        await flight.embed(["c", "d", "e", "f"], lane="dispatch", caller="c")  # 2 generations
+        late = await flight.embed(["a", "e"], lane="dispatch", caller="c", since=before)
+        assert late.coalesced == [False, True]  # "a" left the window, "e" is in it
+        assert [texts for texts, _ in compute.calls] == [
+            ["a", "b"], ["x"], ["b"], ["c", "d", "e", "f"], ["a"]
+        ]  # fmt: skip
+
+    asyncio.run(scenario())
 
 
 def test_new_texts_wait_while_the_store_is_behind() -> None:
