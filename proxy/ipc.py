@@ -100,12 +100,17 @@ def error_payload(exc: BaseException) -> dict[str, str]:
     return {"kind": "internal", "message": f"{type(exc).__name__}: {exc}"}
 
 
-def raise_payload(error: dict[str, str]) -> None:
+def payload_error(error: dict[str, str]) -> Exception:
+    """The exception an ``error_payload`` describes, of the same kind where known."""
     cls = ERRORS.get(error.get("kind", ""), RemoteError)
     message = error.get("message", "remote error")
     if cls is ServiceUnavailableError:
-        raise ServiceUnavailableError(message, error.get("service", "engine"))
-    raise cls(message)
+        return ServiceUnavailableError(message, error.get("service", "engine"))
+    return cls(message)
+
+
+def raise_payload(error: dict[str, str]) -> None:
+    raise payload_error(error)
 
 
 def rows_frame(rows: npt.NDArray[np.float32]) -> memoryview:

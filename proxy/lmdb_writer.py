@@ -6,15 +6,17 @@ it back after, so a thread of the engine process writing back 256 rows hands the
 to and from the event loop that drives the device 256 times, and the loop, the batcher's
 threads and the writes share one GIL. Here a child process with an interpreter of its own
 owns the write transactions; reads stay local (LMDB readers never wait for the writer). The
-engine's write-backs send their rows unencoded (``amset_rows``: one float32 frame, their keys
-and expiry, and the entries written with them, such as links): the child encodes them, checks
-their keys (a bad one fails that call alone) and writes them with the calls that arrived
+engine's write-backs send their rows unencoded (``amset_rows``: a float32 frame each, their
+keys and expiry, and the entries written with them, such as links), those of one turn of its
+event loop (one batch's requests) in one message: the child encodes them, checks each call's
+keys (a bad one fails that call alone) and writes them with the calls that arrived
 meanwhile, in one transaction with one fsync. Other writes (``amset``) are grouped here, one
 message a group::
 
     engine process                                 writer child (writer_main)
       TieredByteStore                                LmdbByteStore.amset: group commit
-        LmdbWriterStore.amset_rows ---- keys, rows, links -->  encode_many, keys checked
+        LmdbWriterStore.amset_rows: a turn's calls -- keys, rows, links -->  encode_many,
+                                                                keys checked per call
         LmdbWriterStore.amset: group ---- keys, values ------>  (one transaction a group)
         reads, deletes: its own transactions  <------ ack (the entries are committed)
 
@@ -22,7 +24,8 @@ Measured on the H200 (``bench/serve_bench.py``, 8 workers, all new texts, docs/B
 2026-12-02), the child when it was sent encoded entries (bc7df02): 31,458 new texts/s against
 22,315 with the thread on that machine's disk, 37,123 against 25,904 on tmpfs (no write-back
 at all: 53,254). Encoding in the child took the engine's loop from 11.8 to 10.8 us of CPU a
-new text on the 2-core box (``bench/engine_bench.py --writer process``); not run on the H200.
+new text on the 2-core box (``bench/engine_bench.py --writer process``), 19-21 to 18 on the
+H200; one message a turn instead of one a call, 10.7 to 9.8 on the 2-core box.
 The first form (a message per write-back, encoded, 2026-12-01) served less than the thread.
 
 The child dies with the engine process (PDEATHSIG) and the engine starts another on the next
@@ -47,11 +50,12 @@ import numpy as np
 
 from cache.codec import RowEntries
 from cache.stores import GiB, LmdbByteStore, fsync_options
-from proxy.ipc import Handler, RpcClient, RpcServer
+from proxy.ipc import Handler, RpcClient, RpcServer, error_payload, payload_error
 
 log = logging.getLogger("fleetcache.engine")
 
 WRITE_TIMEOUT_S = 30.0  # a write the child has not acknowledged by then counts as failed
+_RowsCall = tuple[RowEntries, Sequence[tuple[str, bytes]], "asyncio.Future[None]"]
 
 
 class LmdbWriterStore(LmdbByteStore):
@@ -74,6 +78,9 @@ class LmdbWriterStore(LmdbByteStore):
         self._process: BaseProcess | None = None
         self._client: RpcClient | None = None
         self.starts = 0  # children started (a restart after a crash counts one more)
+        self._rows_calls: list[_RowsCall] = []  # amset_rows calls of this turn, not sent yet
+        self._sending: set[asyncio.Future[None]] = set()
+        self.rows_messages = 0  # mset_rows messages sent (each holds one turn's calls)
 
     async def start(self, timeout_s: float = 30.0) -> LmdbWriterStore:
         self._spawn()
@@ -113,25 +120,64 @@ class LmdbWriterStore(LmdbByteStore):
         await client.call("mset", [_joined(items)], **_cut(items), timeout_s=WRITE_TIMEOUT_S)
 
     async def amset_rows(self, rows: RowEntries, extra: Sequence[tuple[str, bytes]] = ()) -> None:
-        """One message per call: the rows as one float32 frame, encoded by the child (and
-        their keys checked there, before the call joins a transaction: a bad key fails this
-        call alone), ``extra`` entries in the same transaction. The child groups concurrent
-        calls into one commit as ``amset`` does."""
-        client = await self._live_client()
-        matrix = np.ascontiguousarray(rows.matrix, dtype=np.float32)
-        await client.call(
-            "mset_rows",
-            [matrix.data, _joined(extra)],
-            keys=list(rows.keys),
-            dim=int(matrix.shape[-1]) if matrix.ndim == 2 else 0,
-            dtype=rows.dtype,
-            expires_at=None if rows.expires_at is None else list(rows.expires_at),
-            extra=_cut(extra),
-            timeout_s=WRITE_TIMEOUT_S,
-        )
+        """The rows encoded by the child (their keys checked there, before the call joins a
+        transaction: a bad key fails this call alone), ``extra`` entries in the same
+        transaction. The calls made in one turn of the event loop (the write-backs of one
+        batch's requests) travel as one message, each call's rows a float32 frame; the child
+        commits them with those that arrived meanwhile, as ``amset`` does."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        self._rows_calls.append((rows, extra, done))
+        if len(self._rows_calls) == 1:  # sent once this turn's other write-backs queued
+            loop.call_soon(self._send_rows)
+        await done
+
+    def _send_rows(self) -> None:
+        calls, self._rows_calls = self._rows_calls, []
+        if not calls:  # sent already, by ``aclose``
+            return
+        self.rows_messages += 1
+        task = asyncio.ensure_future(self._rows_message(calls))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
+    async def _rows_message(self, calls: list[_RowsCall]) -> None:
+        """One ``mset_rows`` message of ``calls``; each call's future gets its own outcome."""
+        try:
+            client = await self._live_client()
+            matrices = [np.ascontiguousarray(r.matrix, dtype=np.float32) for r, _, _ in calls]
+            extra = [entry for _, entries, _ in calls for entry in entries]
+            dated = any(r.expires_at is not None for r, _, _ in calls)
+            reply, _ = await client.call(
+                "mset_rows",
+                [*(m.data for m in matrices), _joined(extra)],
+                calls=[[len(r.keys), len(entries)] for r, entries, _ in calls],
+                keys=[key for r, _, _ in calls for key in r.keys],
+                dims=[int(m.shape[-1]) if m.ndim == 2 else 0 for m in matrices],
+                dtypes=[r.dtype for r, _, _ in calls],
+                expires_at=[e for r, _, _ in calls for e in (r.expires_at or [None] * len(r.keys))]
+                if dated
+                else None,
+                extra=_cut(extra),
+                timeout_s=WRITE_TIMEOUT_S,
+            )
+        except Exception as exc:  # the child, or the commit of the whole group, failed
+            for _, _, done in calls:
+                if not done.done():
+                    done.set_exception(exc)
+            return
+        for (_, _, done), error in zip(calls, reply["errors"], strict=True):
+            if not done.done():
+                if error is None:
+                    done.set_result(None)
+                else:
+                    done.set_exception(payload_error(error))
 
     async def aclose(self) -> None:
         """Stop the child once the writes sent to it are acknowledged (callers await them)."""
+        self._send_rows()  # rows calls of this turn, not sent yet
+        if self._sending:
+            await asyncio.wait(set(self._sending), timeout=WRITE_TIMEOUT_S)
         if self._client is not None:
             await self._client.close()
             self._client = None
@@ -169,14 +215,31 @@ async def _writer(path: str, map_size: int, fsync_every_s: float, address: str) 
     async def mset_rows(
         message: dict[str, Any], blobs: list[Any]
     ) -> tuple[dict[str, Any], tuple[()]]:
-        keys, dim = message["keys"], message["dim"]
-        matrix = np.frombuffer(blobs[0].buffer, "<f4").reshape(len(keys), dim)
-        entries = RowEntries(keys, matrix, message["dtype"], message["expires_at"]).entries()
-        entries += _split(message["extra"], blobs[1].bytes)
-        for key, _ in entries:
-            store._key(key)  # a ValueError fails this call before it joins a transaction
-        await store.amset(entries)
-        return {}, ()
+        """``LmdbWriterStore._rows_message``: each call's rows encoded and its keys checked
+        (a bad one fails that call alone, before anything is written), the others committed
+        together; ``errors``: each call's, or None."""
+        keys, expiry, extra = message["keys"], message["expires_at"], message["extra"]
+        extras = _split(extra, blobs[-1].bytes)
+        entries: list[tuple[str, bytes]] = []
+        errors: list[dict[str, str] | None] = []
+        at = at_extra = 0
+        for i, (count, extra_count) in enumerate(message["calls"]):
+            own = keys[at : at + count]
+            matrix = np.frombuffer(blobs[i].buffer, "<f4").reshape(count, message["dims"][i])
+            dates = None if expiry is None else expiry[at : at + count]
+            call = RowEntries(own, matrix, message["dtypes"][i], dates).entries()
+            call += extras[at_extra : at_extra + extra_count]
+            at, at_extra = at + count, at_extra + extra_count
+            try:
+                for key, _ in call:
+                    store._key(key)
+            except ValueError as exc:
+                errors.append(error_payload(exc))
+                continue
+            entries += call
+            errors.append(None)
+        await store.amset(entries)  # a failed commit fails every call of the message
+        return {"errors": errors}, ()
 
     handlers: dict[str, Handler] = {"ping": ping, "mset": mset, "mset_rows": mset_rows}
     try:

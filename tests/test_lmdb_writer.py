@@ -156,10 +156,40 @@ def test_a_bad_key_fails_only_its_own_rows_call(tmp_path: Path) -> None:
             outcomes = await asyncio.gather(bad, good, return_exceptions=True)
             assert isinstance(outcomes[0], Exception) and "LMDB keys" in str(outcomes[0])
             assert outcomes[1] is None
+            assert store.rows_messages == 1  # both calls in one message, each its outcome
             assert [v is not None for v in store.mget(["ok-1", "ok-2", "ok-3"])] == [
                 False,
                 True,
                 True,
+            ]
+        finally:
+            await store.aclose()
+
+    run(main())
+
+
+def test_the_write_backs_of_one_turn_travel_as_one_message(tmp_path: Path) -> None:
+    """The engine's write-backs of one batch's requests are made in one turn of its event
+    loop: they reach the child as one message (not one each), and each is committed, with
+    its own dtype, expiry and extra entries; a call of a later turn is a message of its own."""
+    matrix = np.arange(4 * 8, dtype=np.float32).reshape(4, 8)
+
+    async def main() -> None:
+        store = await LmdbWriterStore(tmp_path / "cache.lmdb").start()
+        try:
+            await asyncio.gather(
+                store.amset_rows(RowEntries(["a", "b"], matrix[:2]), [("link:a", b"a")]),
+                store.amset_rows(RowEntries(["c"], matrix[2:3], "float16", [1_900_000_000.0])),
+                store.amset_rows(RowEntries([], matrix[:0])),
+            )
+            assert store.rows_messages == 1
+            await store.amset_rows(RowEntries(["d"], matrix[3:]))
+            assert store.rows_messages == 2
+            assert store.mget(["a", "b", "c", "d", "link:a"]) == [
+                *codec.encode_many(matrix[:2], "float32", expires_at=[None, None]),
+                codec.encode(matrix[2], "float16", expires_at=1_900_000_000.0),
+                codec.encode(matrix[3]),
+                b"a",
             ]
         finally:
             await store.aclose()
