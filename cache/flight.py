@@ -17,10 +17,10 @@ flight or in the store, never neither (API.md v1.1). One window remains: a calle
 lookup read just before a write-back landed reaches the map just after the entry left it (seen
 as one text embedded twice in 12,000 by the kill-and-resume warm-up test). So the last
 ``recent // 2`` to ``recent`` texts written (two generations) stay joinable, with when they
-were written, and a caller that says
-when its lookup began (``since``) joins those written after that, as coalesced. Texts written
-before its lookup began were in the store for it: missing them there means they expired, were
-dropped or the store failed, and they are computed again.
+were written, and a caller that says when its lookup began (``since``) joins those written
+after that, as coalesced. Texts written before its lookup began were in the store for it:
+missing them there means they expired, were dropped or the store failed, and they are
+computed again.
 
 Backpressure (``max_unwritten``): rows computed and not yet written back wait in memory for
 the store, and a store slower than the device (LMDB's fsync'd commits on a virtual disk:

@@ -69,11 +69,11 @@ STOP_GRACE_S = {"worker": 35.0, "job": 10.0, "engine": 30.0, "index": 60.0}
 def auto_workers(cores: int | None = None) -> int:
     """``FLEETCACHE_WORKERS=auto``: HTTP workers for the cores this server may use
     (``proxy.cores``), ``cores - 4`` (the engine's tokenizer and copy threads, the index
-    owner and the supervisor keep four),
-    at least 2, at most 16. Measured (docs/BENCHMARKS.md, bench/serve_bench.py): on the
-    2-core box 2 workers served 1.9x the cached texts of 1 (149k vs 79k texts/s) and 3 fewer
-    (123k); on the H200 machine with 12 cores for the server, 12 workers 333k, 8 308k, 4
-    116k cached texts/s, new texts 30-32k/s with 8 or 12."""
+    owner and the supervisor keep four), at least 2, at most 16. Measured
+    (docs/BENCHMARKS.md, bench/serve_bench.py): on the 2-core box 2 workers served 1.9x the
+    cached texts of 1 (149k vs 79k texts/s) and 3 fewer (123k); on the H200 machine with 12
+    cores for the server, 12 workers 333k, 8 308k, 4 116k cached texts/s, new texts
+    30-32k/s with 8 or 12."""
     cores = cores or usable_cores()
     return max(2, min(16, cores - 4))
 
