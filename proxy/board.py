@@ -53,7 +53,7 @@ import numpy.typing as npt
 
 from proxy.settings import MAX_DEVICES
 
-MAGIC = 0x464C_4243_0003  # "FLBC" + layout version: a reader skips boards of another layout
+MAGIC = 0x464C_4243_0004  # "FLBC" + layout version: a reader skips boards of another layout
 SCALARS: tuple[str, ...] = (
     "cache.hits",
     "cache.coalesced",
@@ -67,6 +67,7 @@ SCALARS: tuple[str, ...] = (
     "cache.corrupt_entries",
     "cache.expired_entries",
     "cache.store_waits",
+    "cache.dispatch_lookups",  # lookups by every caller but warm-up: a job's pacing reads it
     "requests",
     "requests.rejected",
     "inference.items",

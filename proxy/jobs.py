@@ -181,8 +181,9 @@ def stop_jobs(settings: Settings, server: str, grace_s: float = 10.0) -> None:
 
 
 class DispatchTraffic:
-    """Lookups by every caller but warm-up, over the whole server (read from the boards at
-    most every ``every_s``): the job's pacing watches it change."""
+    """Lookups by every caller but warm-up, over the whole server: one counter of the boards
+    (``cache.dispatch_lookups``, each process's ``CacheStats.dispatch_lookups``), read at
+    most every ``every_s``; the job's pacing watches it change."""
 
     def __init__(self, boards: Boards, every_s: float = 0.1) -> None:
         self.boards = boards
@@ -192,8 +193,7 @@ class DispatchTraffic:
 
     def lookups(self) -> int:
         if time.monotonic() - self._read_at >= self.every_s:
-            callers = self.boards.read().callers
-            self._lookups = sum(sum(c) for name, c in callers.items() if name != "warmup")
+            self._lookups = int(self.boards.read().scalars["cache.dispatch_lookups"])
             self._read_at = time.monotonic()
         return self._lookups
 

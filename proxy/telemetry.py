@@ -115,6 +115,7 @@ class BoardCacheStats(CacheStats):
         board.put("cache.coalesced", self.coalesced)
         board.put("cache.misses", self.misses)
         board.put("cache.ms_saved", self.ms_saved)
+        board.put("cache.dispatch_lookups", self.dispatch_lookups)
 
     def record_failure(self) -> None:
         super().record_failure()

@@ -11,7 +11,10 @@ import pytest
 from features.readers import write_records
 from features.synthetic import generate_fleet
 from proxy import warmup
+from proxy.board import Board, Boards
+from proxy.jobs import DispatchTraffic
 from proxy.services import Services, open_local_services
+from proxy.telemetry import BoardCacheStats
 from proxy.warmup import LocalSink, WarmupProgress, run_warmup
 from tests.conftest import make_settings
 
@@ -93,3 +96,21 @@ def test_paced_warmup_still_progresses_when_the_loop_is_never_quiet(
 
     monkeypatch.setattr(warmup, "_loop_lag", always_late)
     asyncio.run(warm_up(tmp_path, monkeypatch, dispatch=True))
+
+
+def test_a_job_process_sees_the_whole_server_s_dispatch_lookups(tmp_path: Path) -> None:
+    """A job in its own process paces on ``DispatchTraffic``: the lookups of every caller
+    but warm-up, from every process's board (a worker's hits, the engine's misses), one
+    counter; a warm-up lookup does not move it."""
+    boards_dir = tmp_path / "boards"
+    worker = BoardCacheStats(Board("worker", boards_dir))
+    engine = BoardCacheStats(Board("engine", boards_dir))
+    traffic = DispatchTraffic(Boards(boards_dir), every_s=0.0)
+    assert traffic.lookups() == 0
+    worker.record("dispatch", 30, 1, 0, 0.0)
+    worker.record("ops-console", 2, 0, 0, 0.0)
+    engine.record("dispatch", 0, 0, 5, 0.0)
+    assert traffic.lookups() == 38
+    worker.record("warmup", 100, 0, 0, 0.0)
+    engine.record("warmup", 0, 0, 256, 0.0)
+    assert traffic.lookups() == 38
