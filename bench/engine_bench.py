@@ -12,8 +12,9 @@ by 20% from run to run. Here only the engine process runs beside its clients:
   with the packaged model's tokenizer, so that clients send token ids as workers do to the
   torch engine;
 - ``--clients`` processes, each a ``RemoteEngine`` over an ``RpcClient`` as an HTTP worker
-  holds one, keep ``--concurrency`` calls of 32 new texts in flight (dispatch, not durable),
-  each with the texts' store keys, as a worker sends those it hashed for its lookup.
+  holds one, keep ``--concurrency`` calls of ``--texts`` (32) new texts in flight (dispatch,
+  not durable), each with the texts' store keys, as a worker sends those it hashed for its
+  lookup.
 
 Prints per checkout: texts/s, and the engine process's CPU per text (its main thread, the
 loop; and the whole process), read from ``/proc`` over each run; medians of ``--runs``
@@ -72,9 +73,16 @@ def serve(run_dir: str, store: str, writer: str = "thread") -> None:
 
 
 def client(
-    run_dir: str, concurrency: int, seconds: float, tag: str, out: Any, pin: bool = False
+    run_dir: str,
+    concurrency: int,
+    seconds: float,
+    tag: str,
+    out: Any,
+    pin: bool = False,
+    size: int = 32,
 ) -> None:
-    """One worker's engine calls: ``concurrency`` loops of 32 new texts until ``seconds``."""
+    """One worker's engine calls: ``concurrency`` loops of ``size`` new texts until
+    ``seconds``."""
     if pin:
         os.sched_setaffinity(0, set(range(max(1, (os.cpu_count() or 2) - 1))))
     from cache.stores import MemoryByteStore
@@ -104,7 +112,7 @@ def client(
                 texts = [
                     f"driver {tag}{os.getpid()}-{k}-{n}-{j} van electric capacity {j * 40} kg "
                     f"zone north shift morning rating 4.{j % 10}"
-                    for j in range(32)
+                    for j in range(size)
                 ]
                 await remote.embed(
                     texts,
@@ -114,7 +122,7 @@ def client(
                     durable=False,
                     keys=[key(t) for t in texts],
                 )
-                sent += 32
+                sent += size
 
         await asyncio.gather(*(loop(k) for k in range(concurrency)))
         await rpc.close()
@@ -164,6 +172,7 @@ def round_of(code: Path, args: argparse.Namespace, tag: str) -> dict[str, float]
                         f"{label}{i}-",
                         results,
                         args.pin,
+                        args.texts,
                     ),
                 )
                 for i in range(args.clients)
@@ -205,6 +214,7 @@ def main() -> None:
     )
     parser.add_argument("--clients", type=int, default=4, help="worker processes")
     parser.add_argument("--concurrency", type=int, default=8, help="calls in flight per worker")
+    parser.add_argument("--texts", type=int, default=32, help="new texts a call")
     parser.add_argument("--duration", type=float, default=5.0)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--pin", action="store_true", help="the engine on a core of its own")
@@ -222,7 +232,7 @@ def main() -> None:
     print(
         f"# engine_bench {now}, {platform.node()} ({os.cpu_count()} cores): store "
         f"{args.store} (writer: {args.writer}), {args.clients} clients x {args.concurrency} "
-        f"calls of 32 new texts, "
+        f"calls of {args.texts} new texts, "
         f"{args.duration} s x {args.runs} rounds; medians (range)"
     )
     print("| engine process of | new texts/s | loop CPU us per text | process CPU us per text |")

@@ -37,7 +37,6 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 import zmq
-import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from engines.base import (
@@ -128,22 +127,69 @@ def address(run_dir: os.PathLike[str] | str, name: str) -> str:
     return f"ipc://{os.fspath(run_dir)}/{name}.sock"
 
 
+class LoopSocket:
+    """A ZeroMQ socket driven by the event loop itself, not through ``zmq.asyncio``: one
+    reader on the socket's FD for its whole life, every message waiting received at a
+    wake-up before anything awaits, and sends that never wait (no high-water mark: a message
+    is queued, or the send fails at once). ``zmq.asyncio`` registers and drops the FD with
+    the loop around each receive and takes a future and a loop turn per message.
+
+    ZeroMQ's FD signals edges, not levels: after any send or receive the socket is asked
+    again (``EVENTS``) whether a message waits, since that call may have consumed the
+    signal of one that came in meanwhile."""
+
+    def __init__(self, sock: zmq.Socket[bytes]) -> None:
+        self.sock = sock
+        self._ready: asyncio.Event | None = None  # the FD signalled (or may have)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _readable(self) -> bool:
+        return bool(int(self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+
+    def send(self, frames: Blobs) -> None:
+        """Queue ``frames`` as one message (``zmq.Again`` or another ``ZMQError`` at once
+        when it cannot be)."""
+        self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        if self._ready is not None and self._readable():
+            self._ready.set()
+
+    async def recv(self) -> list[zmq.Frame]:
+        """The next message, at once when one waits."""
+        while True:
+            try:
+                return self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                pass
+            if self._ready is None:
+                self._ready = asyncio.Event()
+                self._loop = asyncio.get_running_loop()
+                self._loop.add_reader(self.sock.FD, self._ready.set)
+            self._ready.clear()
+            if not self._readable():
+                await self._ready.wait()
+
+    def close(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self.sock.FD)
+        self.sock.close(linger=0)
+
+
 class RpcServer:
     """A ROUTER serving ``handlers`` by op name; each request runs in a task of its own."""
 
     def __init__(self, bind: str, handlers: dict[str, Handler]) -> None:
         self.address = bind
         self.handlers = handlers
-        self._ctx = zmq.asyncio.Context.instance()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone peer raises
-        self._sock.setsockopt(zmq.SNDHWM, 0)
-        self._sock.setsockopt(zmq.RCVHWM, 0)
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone peer raises
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
         path = bind.removeprefix("ipc://")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # left by an owner that died
-        self._sock.bind(bind)
+        sock.bind(bind)
+        self._sock = LoopSocket(sock)
         self._tasks: set[asyncio.Task[None]] = set()
         self._sids = itertools.count(1)
         self._calls: dict[int, asyncio.Future[dict[str, Any]]] = {}
@@ -153,7 +199,7 @@ class RpcServer:
         """Receive until cancelled."""
         try:
             while True:
-                frames = await self._sock.recv_multipart(copy=False)
+                frames = await self._sock.recv()
                 peer, message, blobs = frames[0].bytes, _decode(frames[1].bytes), frames[2:]
                 self.peers[peer] = time.monotonic()
                 sid = message.get("sid")
@@ -180,7 +226,7 @@ class RpcServer:
             reply = {"error": error_payload(exc)}
         reply["id"] = message.get("id")
         try:
-            await self._sock.send_multipart([peer, _encode(reply), *out], copy=False)
+            self._sock.send([peer, _encode(reply), *out])
         except zmq.ZMQError as exc:  # the caller went away meanwhile
             log.debug("reply to %r lost: %s", peer, exc)
 
@@ -198,7 +244,7 @@ class RpcServer:
             sid = next(self._sids)
             future = self._calls[sid] = loop.create_future()
             try:
-                await self._sock.send_multipart([peer, _encode({"sid": sid, "op": op, **args})])
+                self._sock.send([peer, _encode({"sid": sid, "op": op, **args})])
             except zmq.ZMQError:
                 self._calls.pop(sid, None)
                 self.peers.pop(peer, None)
@@ -213,7 +259,7 @@ class RpcServer:
         return out
 
     def close(self) -> None:
-        self._sock.close(linger=0)
+        self._sock.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.address.removeprefix("ipc://"))
 
@@ -239,16 +285,16 @@ class RpcClient:
         self.address = connect
         self._service = service or connect.rsplit("/", 1)[-1].removesuffix(".sock")
         self.identity = f"{role}-{os.getpid()}".encode()
-        self._ctx = zmq.asyncio.Context.instance()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.ROUTING_ID, self.identity)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued for a server that is down
-        self._sock.setsockopt(zmq.SNDHWM, 0)
-        self._sock.setsockopt(zmq.RCVHWM, 0)
-        self._sock.setsockopt(zmq.RECONNECT_IVL, 50)
-        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
-        self._sock.connect(connect)
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.ROUTING_ID, self.identity)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued for a server that is down
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, 50)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
+        sock.connect(connect)
+        self._sock = LoopSocket(sock)
         self._on_request = on_request
         self._ping_s = ping_s
         self._down_after_s = down_after_s
@@ -286,7 +332,7 @@ class RpcClient:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._fail_pending(ServiceUnavailableError("client closed", self.service))
-        self._sock.close(linger=0)
+        self._sock.close()
 
     async def call(
         self, op: str, blobs: Blobs = (), *, timeout_s: float | None = None, **args: Any
@@ -314,7 +360,7 @@ class RpcClient:
         try:
             header = _encode({"id": call_id, "op": op, **args})
             try:
-                await self._sock.send_multipart([header, *blobs], flags=zmq.NOBLOCK, copy=False)
+                self._sock.send([header, *blobs])
             except zmq.Again:
                 raise ServiceUnavailableError(
                     f"{self._name} is not connected", self.service
@@ -333,7 +379,7 @@ class RpcClient:
 
     async def _receive(self) -> None:
         while True:
-            frames = await self._sock.recv_multipart(copy=False)
+            frames = await self._sock.recv()
             message = _decode(frames[0].bytes)
             self._answered = time.monotonic()
             if "sid" in message:
@@ -354,7 +400,7 @@ class RpcClient:
             reply = {"error": error_payload(exc)}
         reply["sid"] = message["sid"]
         with contextlib.suppress(zmq.ZMQError):
-            await self._sock.send_multipart([_encode(reply)], flags=zmq.NOBLOCK)
+            self._sock.send([_encode(reply)])
 
     async def _ping(self) -> None:
         while True:
@@ -396,15 +442,15 @@ class RpcClient:
     async def _watch(self) -> None:
         """A dropped connection (the owner died) marks the server down at once, without
         waiting for pings to time out."""
-        monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = LoopSocket(self._sock.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
         try:
             while True:
-                event = parse_monitor_message(await monitor.recv_multipart())
+                event = parse_monitor_message([f.bytes for f in await monitor.recv()])
                 if event["event"] == zmq.EVENT_DISCONNECTED and self.up:
                     self._set_up(False)
                     self._fail_pending(
                         ServiceUnavailableError(f"{self._name} went away", self.service)
                     )
         finally:
-            self._sock.disable_monitor()
-            monitor.close(linger=0)
+            self._sock.sock.disable_monitor()
+            monitor.close()

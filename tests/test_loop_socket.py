@@ -1,0 +1,104 @@
+"""``proxy.ipc.LoopSocket``, the ZeroMQ socket every IPC call of a server travels on: every
+message sent arrives once, in order per sender, including those that come in while the
+receiver is busy sending (ZeroMQ's FD signals an edge that a send can consume), and a closed
+socket leaves nothing behind in the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import zmq
+
+from proxy.ipc import LoopSocket
+
+
+def pair(tmp_path: Path, clients: int) -> tuple[LoopSocket, list[LoopSocket]]:
+    context = zmq.Context.instance()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(f"ipc://{tmp_path}/s.sock")
+    dealers = []
+    for i in range(clients):
+        dealer = context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.ROUTING_ID, f"c{i}".encode())
+        dealer.connect(f"ipc://{tmp_path}/s.sock")
+        dealers.append(LoopSocket(dealer))
+    return LoopSocket(router), dealers
+
+
+def test_bursts_echoed_while_the_receiver_sends_all_arrive_in_order(tmp_path: Path) -> None:
+    clients, each = 4, 500
+
+    async def main() -> dict[bytes, list[int]]:
+        server, dealers = pair(tmp_path, clients)
+        seen: dict[bytes, list[int]] = {}
+
+        async def echo() -> None:
+            for _ in range(clients * each):
+                peer, body = await server.recv()
+                seen.setdefault(peer.bytes, []).append(int(body.bytes))
+                server.send([peer, body])  # may take the FD's signal of the next message
+
+        async def client(dealer: LoopSocket) -> list[int]:
+            for i in range(each):
+                dealer.send([b"%d" % i])
+                if i % 50 == 0:
+                    await asyncio.sleep(0)  # the server answers some while more are sent
+            return [int((await dealer.recv())[0].bytes) for _ in range(each)]
+
+        try:
+            echoed = await asyncio.wait_for(
+                asyncio.gather(echo(), *(client(d) for d in dealers)), timeout=20
+            )
+        finally:
+            for sock in (server, *dealers):
+                sock.close()
+        assert all(answers == list(range(each)) for answers in echoed[1:])
+        return seen
+
+    seen = asyncio.run(main())
+    assert sorted(seen) == [f"c{i}".encode() for i in range(clients)]
+    assert all(bodies == list(range(each)) for bodies in seen.values())
+
+
+def test_a_message_that_came_in_during_a_send_is_received(tmp_path: Path) -> None:
+    async def main() -> None:
+        server, [dealer, other] = pair(tmp_path, 2)
+        dealer.send([b"hello"])
+        peer, _ = await asyncio.wait_for(server.recv(), timeout=5)
+        waiting = asyncio.create_task(server.recv())  # nothing waits: on the loop's reader
+        await asyncio.sleep(0.05)
+        dealer.send([b"during"])
+        time.sleep(0.1)  # noqa: ASYNC251 (it arrives while the loop does not look at the FD)
+        server.send([b"c1", b"to the other"])  # ZeroMQ takes the FD's signal here
+        peer, body = await asyncio.wait_for(waiting, timeout=5)
+        assert (peer.bytes, body.bytes) == (b"c0", b"during")
+        assert (await asyncio.wait_for(other.recv(), timeout=5))[0].bytes == b"to the other"
+        for sock in (server, dealer, other):
+            sock.close()
+
+    asyncio.run(main())
+
+
+def test_a_receiver_waits_for_a_late_message_and_a_closed_socket_leaves_the_loop(
+    tmp_path: Path,
+) -> None:
+    async def main() -> None:
+        server, [dealer] = pair(tmp_path, 1)
+        waiting = asyncio.create_task(server.recv())
+        await asyncio.sleep(0.2)
+        assert not waiting.done()  # nothing came: it waits, it does not return empty
+        dealer.send([b"late"])
+        peer, body = await asyncio.wait_for(waiting, timeout=5)
+        assert (peer.bytes, body.bytes) == (b"c0", b"late")
+        fd = server.sock.FD
+        server.close()
+        dealer.close()
+        loop = asyncio.get_running_loop()
+        assert not loop.remove_reader(fd)  # close() took its reader off the loop
+        await asyncio.sleep(0.05)  # and the loop runs on
+
+    asyncio.run(main())
