@@ -41,6 +41,7 @@ import fcntl
 import math
 import mmap
 import os
+import struct
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -405,6 +406,29 @@ class Boards:
 
     def read(self, now: float | None = None) -> Totals:
         return Totals.merge(list(self.views()), time.time() if now is None else now)
+
+    def scalar(self, name: str) -> float:
+        """One counter of ``SCALARS`` summed over every board, as ``read().scalars[name]``
+        gives it, from 16 bytes of each board instead of all of them (a warm-up job's pacing
+        asks ten times a second)."""
+        at = (LAYOUT["scalars"][0] + _SCALAR[name]) * 8
+        if self.own is not None:
+            return float(np.frombuffer(self.own._buffer, np.float64, 1, at)[0])
+        assert self.directory is not None
+        total = 0.0
+        for path in self.directory.glob("*.board"):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:  # its owner went and the supervisor removed it
+                continue
+            try:
+                raw = os.pread(fd, 8, LAYOUT["header"][0] * 8) + os.pread(fd, 8, at)
+            finally:
+                os.close(fd)
+            if len(raw) == 16:  # else not written yet
+                magic, value = struct.unpack("=dd", raw)
+                total += value if magic == MAGIC else 0.0
+        return total
 
 
 @dataclass

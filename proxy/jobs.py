@@ -193,7 +193,7 @@ class DispatchTraffic:
 
     def lookups(self) -> int:
         if time.monotonic() - self._read_at >= self.every_s:
-            self._lookups = int(self.boards.read().scalars["cache.dispatch_lookups"])
+            self._lookups = int(self.boards.scalar("cache.dispatch_lookups"))
             self._read_at = time.monotonic()
         return self._lookups
 

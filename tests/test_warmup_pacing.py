@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from features.readers import write_records
@@ -114,3 +115,10 @@ def test_a_job_process_sees_the_whole_server_s_dispatch_lookups(tmp_path: Path) 
     worker.record("warmup", 100, 0, 0, 0.0)
     engine.record("warmup", 0, 0, 256, 0.0)
     assert traffic.lookups() == 38
+    # the 16 bytes it reads of each board say what the whole boards say; a board of another
+    # layout, or one not written yet, adds nothing
+    (boards_dir / "old-layout.board").write_bytes(np.full(4096, 7.0).tobytes())
+    (boards_dir / "new.board").write_bytes(b"")
+    boards = Boards(boards_dir)
+    assert boards.scalar("cache.dispatch_lookups") == 38
+    assert boards.read().scalars["cache.dispatch_lookups"] == 38
