@@ -19,13 +19,15 @@ Threading model::
 
     tokenizer thread (exactly one): while a batch is in the engine and the queue already
     fills the next batch, the worker takes that batch at once (dispatch items first, as
-    always), tokenizes it here and hands it to the engine thread, where it waits behind the
-    batch running: the engine thread goes from one forward to the next without waiting for
-    a turn of the event loop (on the H200, under 8 workers' load, those turns left the GPU
-    idle between batches while full batches queued). At most one batch waits there. Only
-    full batches are formed early, so max_delay behaves as without the overlap. The cost to
-    dispatch: an item that arrives after a warm-up batch was formed early waits for at most
-    one more forward (that batch's) before it runs.
+    always) and hands it here; this thread tokenizes it and hands it on to the engine thread
+    itself, where it waits behind the batch running. Neither hand-off waits for a turn of the
+    event loop, so the engine thread goes from one forward to the next while the loop is busy
+    (on the H200, under 8 workers' load, the loop's turns between a forward's end and the
+    next batch's hand-off left the GPU idle while full batches queued). At most ``AHEAD``
+    batches are handed over that the engine has not started, and only one of them may hold
+    warm-up items: a dispatch item that arrives after a warm-up batch was formed early waits
+    for at most one more forward (that batch's), as without the overlap. Only full batches
+    are formed early, so max_delay behaves as without it.
 
     The engine thread takes a batch's slices when it starts on it, under a lock that the
     deadline timer takes too: a request that went away or expired before that moment is not
@@ -61,8 +63,8 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -85,6 +87,7 @@ from engines.base import (
 logger = logging.getLogger(__name__)
 
 LANES = ("dispatch", "warmup")  # priority order: a batch takes dispatch items first
+AHEAD = 2  # batches handed over that the engine has not started on yet, at most
 
 
 @dataclass(frozen=True)
@@ -165,6 +168,13 @@ class _Request:
 
 
 _Slice = tuple[_Request, int, int]  # request, start, stop
+_Outcome = tuple[list[_Slice], tuple[Vectors, list[float]] | Exception]  # what the engine took
+
+
+async def _chained(job: Future[Future[_Outcome]]) -> _Outcome:
+    """The outcome of the engine job that ``job`` (the tokenizer thread's) queued."""
+    engine_job: Future[_Outcome] = await asyncio.wrap_future(job)
+    return await asyncio.wrap_future(engine_job)
 
 
 class Batcher:
@@ -212,8 +222,6 @@ class Batcher:
         self._waiting_engine: dict[int, int] = {}  # batch -> its items, until the engine starts
         self._handed = 0  # batches handed to the engine thread so far (their keys)
         self._claim = threading.Lock()  # the engine thread taking slices | _expire
-        self._prepared: list[_Request] = []  # requests in the batch tokenized ahead
-        self._prepared_items = 0
         self._executor: ThreadPoolExecutor | None = None
         self._tokenizer: ThreadPoolExecutor | None = None
         self._closed = False
@@ -295,13 +303,13 @@ class Batcher:
 
     @property
     def queued(self) -> int:
-        """Items the engine has not started on (queue depth): queued, tokenized ahead, or
-        handed to the engine thread behind the batch it is running."""
-        return self._queued + self._prepared_items + self.waiting_engine
+        """Items the engine has not started on (queue depth): queued, or handed over (to the
+        tokenizer thread or the engine thread, behind the batch it is running)."""
+        return self._queued + self.waiting_engine
 
     @property
     def waiting_engine(self) -> int:
-        """Items handed to the engine thread that it has not started on yet."""
+        """Items handed over that the engine thread has not started on yet."""
         return sum(list(self._waiting_engine.values()))  # a copy: the engine thread pops
 
     @property
@@ -350,9 +358,9 @@ class Batcher:
                 f"{len(texts)} new texts at once can never enter a queue of max_queue="
                 f"{self.max_queue}: send fewer"
             )
-        if self._queued + len(texts) > self.max_queue:
+        if (waiting := self.queued) + len(texts) > self.max_queue:  # handed over included
             raise QueueFullError(
-                f"batcher queue full: {self._queued} items waiting, {len(texts)} more "
+                f"batcher queue full: {waiting} items waiting, {len(texts)} more "
                 f"would exceed max_queue={self.max_queue}"
             )
         loop = asyncio.get_running_loop()
@@ -409,7 +417,7 @@ class Batcher:
     # -- the worker (event loop) -----------------------------------------------------------
 
     async def _run(self) -> None:
-        handed: list[asyncio.Task[None]] = []  # batches handed to the engine thread, oldest first
+        handed: list[asyncio.Task[None]] = []  # batches handed over, oldest first
         try:
             while not self._closed:
                 handed = [task for task in handed if not task.done()]
@@ -417,16 +425,14 @@ class Batcher:
                     await self._wait_for_more()
                     if batch := self._take():
                         handed += self._hand_off(batch)
-                elif len(handed) == 1 and self._queued >= self.max_batch_size:
-                    handed += await self._tokenize_ahead()
-                else:  # idle, or the engine has its next batch, or the next is not full yet
+                elif 0 < len(handed) <= AHEAD and (batch := self._take_ahead(len(handed) == 1)):
+                    handed += self._hand_off(batch, ahead=True)
+                else:  # idle, or the engine has its next batches, or the next is not full yet
                     await self._wait_for_wakeup(handed[0] if handed else None)
         except Exception:  # a bug here must not leave waiters hanging: fail them below
             logger.exception("batcher worker crashed")
         finally:  # closed, crashed or cancelled: nobody is left waiting
-            error = EngineError("batcher closed" if self._closed else "batcher stopped")
-            self._fail(self._prepared, error)
-            self._fail_queued(error)
+            self._fail_queued(EngineError("batcher closed" if self._closed else "batcher stopped"))
             if handed:
                 await asyncio.wait(handed)  # the batches handed over finish normally
 
@@ -443,26 +449,14 @@ class Batcher:
         finally:
             wakeup.cancel()
 
-    async def _tokenize_ahead(self) -> list[asyncio.Task[None]]:
-        """Take the next (full) batch, tokenize it while the engine runs the one before, and
-        hand it over at once: it waits on the engine thread, which goes on to it as soon as
-        that forward returns, without a turn of this event loop in between."""
-        batch = self._take()
-        self._prepared = [request for request, _, _ in batch]
-        self._prepared_items = sum(stop - start for _, start, stop in batch)
-        texts = self._texts(batch)
-        loop = asyncio.get_running_loop()
-        try:
-            tokens: Batch | None = await loop.run_in_executor(
-                self._tokenizer, self.engine.tokenize, texts
-            )
-        except Exception:  # the engine thread tokenizes again and reports any error
-            tokens = None
-        self._prepared, self._prepared_items = [], 0
-        if self._closed:
-            self._fail([request for request, _, _ in batch], EngineError("batcher closed"))
+    def _take_ahead(self, first: bool) -> list[_Slice]:
+        """The next batch to tokenize while the engine runs, if it is full: of either lane
+        when it is the ``first`` waiting, else of dispatch items only (at most one batch
+        formed early holds warm-up items)."""
+        lanes = LANES if first else LANES[:1]
+        if sum(self._lane_waiting[lane] for lane in lanes) < self.max_batch_size:
             return []
-        return self._hand_off(batch, tokens)
+        return self._take(lanes)
 
     async def _wait_for_more(self) -> None:
         """While the batch is not full, wait up to max_delay for more submissions."""
@@ -478,11 +472,12 @@ class Batcher:
             except TimeoutError:
                 return
 
-    def _take(self) -> list[_Slice]:
-        """Up to max_batch_size queued items, dispatch lane first, in submission order."""
+    def _take(self, lanes: Sequence[str] = LANES) -> list[_Slice]:
+        """Up to max_batch_size queued items of ``lanes``, dispatch lane first, in submission
+        order."""
         room = self.max_batch_size
         batch: list[_Slice] = []
-        for lane in LANES:
+        for lane in lanes:
             queue = self._lanes[lane]
             while room and queue:
                 request = queue[0]
@@ -503,23 +498,33 @@ class Batcher:
     def _texts(batch: list[_Slice]) -> list[str]:
         return [text for request, start, stop in batch for text in request.texts[start:stop]]
 
-    def _hand_off(
-        self, batch: list[_Slice], tokens: Batch | None = None
-    ) -> list[asyncio.Task[None]]:
-        """Hand ``batch`` to the engine thread (it waits there behind the batch running, if
-        any), less the requests already resolved; the task that resolves its requests."""
-        live = [item for item in batch if not item[0].future.done()]
-        if len(live) < len(batch):  # a caller went away (or expired) while it was tokenized
-            batch, tokens = live, None
-        if not batch:
-            return []
+    def _hand_off(self, batch: list[_Slice], ahead: bool = False) -> list[asyncio.Task[None]]:
+        """Hand ``batch`` to the engine thread, or to the tokenizer thread on its way there
+        (``ahead``); the task that resolves its requests. The engine thread drops, as it
+        starts on the batch, what went away meanwhile."""
         key = self._handed = self._handed + 1
         self._waiting_engine[key] = sum(stop - start for _, start, stop in batch)
         self._batches += 1
-        assert self._executor is not None
+        assert self._executor is not None and self._tokenizer is not None
         loop = asyncio.get_running_loop()
-        job = self._executor.submit(self._start, loop, key, batch, tokens)
-        return [asyncio.create_task(self._finish(key, batch, asyncio.wrap_future(job)))]
+        job: Awaitable[_Outcome]
+        if ahead:
+            job = _chained(self._tokenizer.submit(self._tokenize_then_start, loop, key, batch))
+        else:
+            job = asyncio.wrap_future(self._executor.submit(self._start, loop, key, batch, None))
+        return [asyncio.create_task(self._finish(key, batch, job))]
+
+    def _tokenize_then_start(
+        self, loop: asyncio.AbstractEventLoop, key: int, batch: list[_Slice]
+    ) -> Future[_Outcome]:
+        """Runs on the tokenizer thread: tokenize ``batch`` and queue it on the engine thread
+        (in the order taken: this thread is one)."""
+        assert self._executor is not None
+        try:
+            tokens: Batch | None = self.engine.tokenize(self._texts(batch))
+        except Exception:  # the engine thread tokenizes again and reports any error
+            tokens = None
+        return self._executor.submit(self._start, loop, key, batch, tokens)
 
     def _start(
         self,
@@ -527,7 +532,7 @@ class Batcher:
         key: int,
         batch: list[_Slice],
         tokens: Batch | None,
-    ) -> tuple[list[_Slice], tuple[Vectors, list[float]] | Exception]:
+    ) -> _Outcome:
         """Runs on the engine thread: take the slices of ``batch`` whose request is still
         waiting and within its deadline (under ``_claim``, which ``_expire`` takes too: a
         request is either failed at its deadline or computed, never both), count them on
@@ -564,12 +569,7 @@ class Batcher:
             else:
                 self._uncounted_items += stop - start
 
-    async def _finish(
-        self,
-        key: int,
-        handed: list[_Slice],
-        job: asyncio.Future[tuple[list[_Slice], tuple[Vectors, list[float]] | Exception]],
-    ) -> None:
+    async def _finish(self, key: int, handed: list[_Slice], job: Awaitable[_Outcome]) -> None:
         """Resolve the requests of a batch handed over, with its rows or its error."""
         outcome: tuple[Vectors, list[float]] | Exception
         try:

@@ -35,6 +35,7 @@ class RecordingEngine(FakeEngine):
         super().__init__(dim=8, **options)
         self.batches: list[list[str]] = []
         self.entered = threading.Event()
+        self._forwarded = threading.Condition()
         self._gate = threading.Event()
         if not hold:
             self._gate.set()
@@ -42,8 +43,15 @@ class RecordingEngine(FakeEngine):
     def release(self) -> None:
         self._gate.set()
 
+    def ran(self, batches: int, timeout: float) -> bool:
+        """Block this thread until the engine has started ``batches`` batches."""
+        with self._forwarded:
+            return self._forwarded.wait_for(lambda: len(self.batches) >= batches, timeout)
+
     def forward(self, batch: Batch) -> Vectors:
-        self.batches.append(list(batch.data["texts"]))
+        with self._forwarded:
+            self.batches.append(list(batch.data["texts"]))
+            self._forwarded.notify_all()
         self.entered.set()
         if not self._gate.wait(timeout=30):
             raise AssertionError("the test never released the engine")
@@ -531,6 +539,30 @@ def test_a_batch_handed_over_runs_next_without_a_turn_of_the_event_loop(drop: st
             assert stats.expired_items == (1 if drop == "expired" else 0)
             assert batcher.queued == 0
         assert engine.batches == [["first"], ["b"]]
+
+    run(test)
+
+
+def test_two_full_batches_wait_on_the_engine_thread_and_run_with_the_loop_blocked() -> None:
+    """Up to two batches are tokenized ahead and handed over: the engine thread goes through
+    both while the event loop is blocked, the tokenizer thread having handed them on itself."""
+
+    async def test() -> None:
+        engine = ThreadRecordingEngine(hold=True)
+        async with Batcher(engine, max_batch_size=2) as batcher:
+            first = spawn(batcher.submit(["first"]))
+            await engine_busy(engine)
+            rest = [spawn(batcher.submit([text])) for text in "abcde"]
+            await until(lambda: len(engine.tokenized_on) == 3)  # a,b and c,d; e is not full
+            assert batcher.waiting_engine == 4 and batcher.queued == 5
+            engine.release()
+            assert engine.ran(3, timeout=10), "the engine waited for the event loop"
+            assert engine.batches == [["first"], ["a", "b"], ["c", "d"]]
+            results = await asyncio.gather(first, *rest)
+        assert engine.tokenized_on[1:3] == ["tokenizer_0", "tokenizer_0"]
+        assert engine.batches[3:] == [["e"]]
+        for text, vectors in zip("abcde", results[1:], strict=True):
+            np.testing.assert_array_equal(vectors, engine.expected([text]))
 
     run(test)
 

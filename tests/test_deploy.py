@@ -290,7 +290,7 @@ def test_queue_rejections_are_counted_by_reason(tmp_path: Path) -> None:
         held = threading.Thread(
             target=httpx.post, args=(url,), kwargs={"json": {"input": list("abcd")}, "timeout": 30}
         )
-        held.start()  # one text in the engine, one tokenized ahead, two queued
+        held.start()  # one text in the engine, two handed over ahead of it, one queued
         for _ in range(500):  # until the batcher holds them (not a guess at how long that takes)
             if httpx.get(f"{server.url}/v1/stats").json()["queue"]["depth"] >= 3:
                 break
