@@ -11,7 +11,8 @@ the same app in one process, ``create_app`` under uvicorn, as v1 ran) on a fresh
   the same probe on the health port (``FLEETCACHE_HEALTH_PORT``, the supervisor's);
 - all-miss requests (``misses.lua``: 32 texts never seen before, in every run): texts/s,
   p50/p99, how many texts each engine process took, the engine processes' CPU per text
-  they took (their main threads, the event loops, and the whole processes: ``EngineCpu``),
+  they took (their main threads, the event loops, and the whole processes: ``EngineCpu``)
+  and the cores the whole server kept busy meanwhile (every process of it, wrk's not),
   the seconds after the load until every vector it computed was in the store (what a burst
   left queued for a store slower than the engine) and the engine processes' peak memory
   (their LMDB writer children's included);
@@ -307,7 +308,9 @@ def measure_layout(
         row["drain_s"] = median(runs.pop("drain"))
         pids = [e["pid"] for e in stats["processes"]["engines"]]
         row["engine_peak_mb"] = sum(map(peak_rss_mb, pids + children(pids)))
-        row["engine_cpu"] = {k: median([r[k] for r in cpu_runs]) for k in ("loop", "process")}
+        row["engine_cpu"] = {
+            k: median([r[k] for r in cpu_runs]) for k in ("loop", "process", "cores")
+        }
         for phase, results in runs.items():
             if not results:
                 results = [dict.fromkeys(("req_s", "p50_ms", "p99_ms", "errors"), 0.0)]
@@ -410,35 +413,58 @@ def peak_rss_mb(pid: int) -> float:
     return 0.0
 
 
+def tree(pid: int) -> list[int]:
+    """``pid`` and every process below it."""
+    found, todo = [], [pid]
+    while todo:
+        found.append(pid := todo.pop())
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                todo += map(int, (task / "children").read_text().split())
+    return found
+
+
 class EngineCpu:
     """CPU time the engine processes spent from now on, per text they took (microseconds):
     their event loops' (the main threads) and their whole processes' (every thread). The loop
     of one engine process is what bounds new texts (docs/BENCHMARKS.md), so its microseconds
-    per text say where that bound is on any machine: 1e6 / loop us per text, per engine."""
+    per text say where that bound is on any machine: 1e6 / loop us per text, per engine.
+    With them, the cores that the whole server (every process of it) kept busy: where that
+    nears the cores it may use, the machine's CPU is the bound, not one process."""
 
     def __init__(self, server: Server) -> None:
         self.server = server
         stats = server.stats()
         self.pids = [e["pid"] for e in stats["processes"]["engines"]]
         self.items = stats["inference"]["items"]
+        self.started = time.monotonic()
         self.ticks = self.read()
 
-    def read(self) -> tuple[int, int]:
-        loop = process = 0
+    def read(self) -> tuple[int, int, int]:
+        loop = process = server = 0
         for pid in self.pids:
             with contextlib.suppress(OSError):  # an engine restarted: its ticks are lost
                 main, whole = cpu_ticks(pid)
                 loop, process = loop + main, process + whole
-        return loop, process
+        for pid in tree(self.server.process.pid):
+            with contextlib.suppress(OSError):  # gone meanwhile
+                server += cpu_ticks(pid)[1]
+        return loop, process, server
 
     def per_item(self) -> dict[str, float]:
         items = max(self.server.stats()["inference"]["items"] - self.items, 1)
         hz = os.sysconf("SC_CLK_TCK")
-        return {
-            name: (after - before) / hz * 1e6 / items
+        seconds = {
+            name: (after - before) / hz
             for name, before, after in zip(
-                ("loop", "process"), self.ticks, self.read(), strict=True
+                ("loop", "process", "server"), self.ticks, self.read(), strict=True
             )
+        }
+        elapsed = time.monotonic() - self.started
+        return {
+            "loop": seconds["loop"] * 1e6 / items,
+            "process": seconds["process"] * 1e6 / items,
+            "cores": seconds["server"] / elapsed,
         }
 
 
@@ -632,7 +658,8 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
     columns += ["miss texts/s (2xx)", "miss non-2xx", "miss p50 / p99 ms", "misses / batcher"]
     columns += ["items == misses"]
     columns += ["written back s after", "engine peak MiB"]
-    columns += ["engine loop / process CPU us per text", "per-worker requests"]
+    columns += ["engine loop / process CPU us per text", "server cores busy"]
+    columns += ["per-worker requests"]
     columns += ["items per engine"]
     table = []
     for r in rows:
@@ -658,6 +685,7 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
                 f"{r['drain_s']:.1f}",
                 f"{r['engine_peak_mb']:,.0f}",
                 f"{r['engine_cpu']['loop']:.1f} / {r['engine_cpu']['process']:.1f}",
+                f"{r['engine_cpu']['cores']:.1f}",
                 str(r["per_worker_requests"]),
                 str(r["device_items"]),
             ]
