@@ -333,7 +333,7 @@ async def open_engine_host(
         yield host
 
 
-WRITER_CHILD_CORES = 8  # FLEETCACHE_LMDB_WRITER=auto: a writer child from this many cores
+WRITER_CHILD_CORES = 4  # FLEETCACHE_LMDB_WRITER=auto: a writer child from this many cores
 
 
 def lmdb_writer(settings: Settings, cores: int | None = None) -> str:
@@ -344,8 +344,10 @@ def lmdb_writer(settings: Settings, cores: int | None = None) -> str:
     thread with the data dir on its disk (31,458 vs 22,315 texts/s, medians of two runs in
     turns; p99 144 vs 208 ms), 1.43x on tmpfs, where it also warmed 1.44x the features (a job
     on the disk: the same); on the 2-core box the same new texts (1.04x) and 0.80x the
-    warm-up, its interpreter taking a share of two cores. Between 2 and 16 cores not
-    measured."""
+    warm-up, its interpreter taking a share of two cores. On the H200 machine confined to
+    fewer cores (``--server-cpus``, the disk, auto workers, 2026-12-03): 8 cores 1.40x the
+    new texts (36,150 vs 25,850/s), 4 cores 1.20x and 1.15x (33,059 and 31,578 vs 27,581
+    and 27,568/s) with the same warm-up (7,003 vs 6,846 features/s). 3 cores not measured."""
     if settings.lmdb_writer != "auto":
         return settings.lmdb_writer
     return "process" if (cores or usable_cores()) >= WRITER_CHILD_CORES else "thread"

@@ -1,6 +1,6 @@
 """The engine process's LMDB writes, in a child process of their own.
 
-``FLEETCACHE_LMDB_WRITER=process``, or ``auto`` (the default) with 8 usable cores or more
+``FLEETCACHE_LMDB_WRITER=process``, or ``auto`` (the default) with 4 usable cores or more
 (``proxy.engine_host.lmdb_writer``). py-lmdb lets go of the GIL around every ``put`` and takes
 it back after, so a thread of the engine process writing back 256 rows hands the interpreter
 to and from the event loop that drives the device 256 times, and the loop, the batcher's

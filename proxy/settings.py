@@ -86,7 +86,7 @@ class Settings(BaseSettings):
     lmdb_writer: Literal["auto", "thread", "process"] = Field(
         "auto",
         description="the engine's LMDB writes: in a thread, or in a child process of its own "
-        "(auto: a child with 8 usable cores or more, proxy.cores)",
+        "(auto: a child with 4 usable cores or more, proxy.cores)",
     )
     redis_url: str = "redis://127.0.0.1:6379/0"
     data_dir: Path = Path("./data")

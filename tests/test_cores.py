@@ -102,10 +102,10 @@ def test_usable_cores_is_the_affinity_mask_capped_by_the_quota_rounded_up(
 
 
 def test_every_auto_count_follows_the_usable_cores(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a 64-core host in a 4-CPU container: 2 workers (not 16), 1 warm-up reader (not 8),
-    the writes in a thread (the child is for 8 cores or more)."""
+    """On a 64-core host in a 3-CPU container: 2 workers (not 16), 1 warm-up reader (not 8),
+    the writes in a thread (the child is for 4 cores or more)."""
     for module in (supervisor, jobs, engine_host):
-        monkeypatch.setattr(module, "usable_cores", lambda: 4)
+        monkeypatch.setattr(module, "usable_cores", lambda: 3)
     assert supervisor.auto_workers() == 2
     assert jobs.shard_count(Settings(warmup_processes="auto")) == 1
     assert engine_host.lmdb_writer(Settings(lmdb_writer="auto")) == "thread"

@@ -70,7 +70,7 @@ def job_ended(client: httpx.Client, job_id: str, within_s: float) -> dict[str, A
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetcacheServer]:
     # each forward sleeps 1.5 s: a batch stays in the engine while 50 clients connect; the
-    # engine's LMDB writes in a writer child, as on a machine of 8 cores or more
+    # engine's LMDB writes in a writer child, as on a machine of 4 cores or more
     with FleetcacheServer(
         tmp_path_factory.mktemp("serve"),
         workers=2,
