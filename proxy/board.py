@@ -54,7 +54,7 @@ import numpy.typing as npt
 
 from proxy.settings import MAX_DEVICES
 
-MAGIC = 0x464C_4243_0004  # "FLBC" + layout version: a reader skips boards of another layout
+MAGIC = 0x464C_4243_0005  # "FLBC" + layout version: a reader skips boards of another layout
 SCALARS: tuple[str, ...] = (
     "cache.hits",
     "cache.coalesced",
@@ -127,9 +127,11 @@ HISTOGRAMS: tuple[HistogramSpec, ...] = (
     HistogramSpec(
         "fleetcache_request_stage_duration_seconds",
         "Time one request spent in a stage: cache_lookup (tiers read), queue_wait (its "
-        "misses waiting for a batch), index (the fleet index search of a recommend).",
+        "misses waiting for a batch), index (the fleet index search of a recommend), "
+        "engine_call (a worker's call to an engine process, sent to answered), engine_embed "
+        "(that call in the engine process, from its event loop taking it to its answer).",
         ("stage",),
-        (("cache_lookup",), ("queue_wait",), ("index",)),
+        (("cache_lookup",), ("queue_wait",), ("index",), ("engine_call",), ("engine_embed",)),
         LATENCY_BUCKETS,
     ),
     HistogramSpec(

@@ -20,7 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import asdict
 from itertools import chain, pairwise
@@ -406,6 +407,7 @@ def engine_handlers(host: EngineHost, server: RpcServer) -> dict[str, Handler]:
         return host.facts(), ()
 
     async def embed(message: Msg, blobs: Frames) -> Out:
+        started = time.perf_counter()
         flown = await host.embed(
             tokenized(message, blobs, host.tokenizer),
             lane=message["lane"],
@@ -416,6 +418,7 @@ def engine_handlers(host: EngineHost, server: RpcServer) -> dict[str, Handler]:
             durable=bool(message.get("durable", True)),
             keys=message.get("keys"),
         )
+        host.board.observe(REQUEST_STAGES, ("engine_embed",), time.perf_counter() - started)
         return {"coalesced": bytes(flown.coalesced)}, [rows_frame(flown.rows)]
 
     async def reembed(message: Msg, blobs: Frames) -> Out:
@@ -446,9 +449,17 @@ class RemoteEngine:
     """The engine process, as the workers see it: a ``Flight`` for their caches, its health
     and identity from the last ping (no round trip for /readyz)."""
 
-    def __init__(self, client: RpcClient, info: EngineInfo) -> None:
+    def __init__(
+        self,
+        client: RpcClient,
+        info: EngineInfo,
+        on_call: Callable[[float], None] | None = None,
+    ) -> None:
+        """``on_call(seconds)``: each embed call's time from sent to answered (the
+        ``engine_call`` stage; the worker's own tokenizing not in it)."""
         self.client = client
         self.info = info
+        self._on_call = on_call
         self._tokenizer: FastTokenizer | None = None
 
     def _token_ids(self, texts: Sequence[str]) -> tuple[dict[str, Any], Blobs]:
@@ -483,6 +494,7 @@ class RemoteEngine:
         keys: Sequence[str] | None = None,
     ) -> Flown:
         tokens, blobs = self._token_ids(texts)
+        started = time.perf_counter()
         reply, frames = await self.client.call(
             "embed",
             blobs,
@@ -496,6 +508,8 @@ class RemoteEngine:
             durable=durable,
             keys=None if keys is None else list(keys),
         )
+        if self._on_call is not None:
+            self._on_call(time.perf_counter() - started)
         return Flown(frame_rows(frames[0], self.info.dim), [bool(c) for c in reply["coalesced"]])
 
     def health(self) -> EngineHealth:

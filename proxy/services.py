@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -350,7 +351,8 @@ async def open_worker_services(
         for client in (*engine_clients, index_client):
             await client.start()
             stack.push_async_callback(client.close)
-        remotes = [RemoteEngine(client, cluster.info) for client in engine_clients]
+        engine_call = functools.partial(RequestLatency(board).observe_stage, "engine_call")
+        remotes = [RemoteEngine(c, cluster.info, engine_call) for c in engine_clients]
         engine = EngineRouter(remotes, cluster.devices, settings.engine_routing)
         index = RemoteIndex(index_client)
         tiers = build_tiers(settings)

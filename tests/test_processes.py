@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from features.readers import write_records
 from features.synthetic import generate_fleet
@@ -136,6 +137,41 @@ def test_items_equal_misses_after_any_mix(server: FleetcacheServer) -> None:
         assert time.monotonic() < deadline, stats["cache"]
         time.sleep(0.05)
         stats = server.stats()
+
+
+def stage_totals(url: str, stage: str) -> tuple[float, float]:
+    """(count, sum) of the whole server's ``stage`` histogram (/metrics)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    found = [0.0, 0.0]
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.labels.get("stage") == stage and sample.name.startswith(
+                "fleetcache_request_stage_duration_seconds_"
+            ):
+                if sample.name.endswith("_count"):
+                    found[0] += sample.value
+                elif sample.name.endswith("_sum"):
+                    found[1] += sample.value
+    return found[0], found[1]
+
+
+def test_a_miss_s_engine_call_and_its_time_in_the_engine_are_timed(
+    server: FleetcacheServer,
+) -> None:
+    """Each call a worker makes to the engine process is one ``engine_call`` (sent to
+    answered) and one ``engine_embed`` (its time in the engine process, within it): where a
+    miss's time goes across the processes. Each forward of this server sleeps 1.5 s."""
+    before = {s: stage_totals(server.url, s) for s in ("engine_call", "engine_embed")}
+    with ThreadPoolExecutor(3) as pool:
+        responses = list(pool.map(lambda i: embed(server.url, [f"timed {i}"]), range(3)))
+    assert all(r.headers["X-Cache-Misses"] == "1" for r in responses)
+    after = {s: stage_totals(server.url, s) for s in ("engine_call", "engine_embed")}
+    (calls, called_s), (embeds, embedded_s) = (
+        (after[s][0] - before[s][0], after[s][1] - before[s][1])
+        for s in ("engine_call", "engine_embed")
+    )
+    assert calls == embeds == 3
+    assert called_s >= embedded_s >= 3 * 1.5
 
 
 def test_a_patch_through_one_worker_is_seen_by_recommends_through_all(
