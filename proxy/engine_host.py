@@ -123,20 +123,30 @@ class EngineHost:
         self,
         settings: Settings,
         engine: Engine,
-        batcher: Batcher,
         board: Board,
         stats: BoardCacheStats,
         writer: VectorWriter | None,
         store: TieredByteStore | None = None,
     ) -> None:
-        """``store``: the shared tier this host owns (the engine process of ``fleetcache
-        serve``), whose failures it reports; None when the process's services report it."""
+        """``engine``: loaded and warm; the batcher over it is started by whoever enters
+        ``host.batcher`` (``open_engine_host``). ``store``: the shared tier this host owns
+        (the engine process of ``fleetcache serve``), whose failures it reports; None when
+        the process's services report it."""
         self.settings = settings
         self.store = store
         self.writer = writer
         self.engine = engine
-        self.batcher = batcher
         self.board = board
+        self.batcher = batcher = Batcher(
+            StageTimingEngine(engine, board),
+            max_batch_size=settings.max_batch_size,
+            max_delay_ms=settings.max_delay_ms,
+            max_queue=settings.max_queue,
+            max_batch_tokens=settings.max_batch_tokens,
+            on_queue_wait=self._queue_wait,
+            on_sent=self._sent,
+            on_batch_done=self.publish,
+        )
         self.stats = stats
         self.info = engine.info
         self.namespace = cache_namespace(engine.info)
@@ -156,6 +166,17 @@ class EngineHost:
             on_settled=self.publish,  # the in-flight gauge, once written back
             max_unwritten=settings.max_unwritten if writer is not None else None,
         )
+
+    def _queue_wait(self, lane: str, seconds: float) -> None:
+        board = self.board
+        board.observe(REQUEST_STAGES, ("queue_wait",), seconds)
+        board.observe(LANE_QUEUE_WAIT, (lane,), seconds)
+        board.recent("queue_wait", seconds * 1000.0)
+
+    def _sent(self, caller: str, count: int) -> None:
+        """Texts handed to the engine: misses and items counted at the same moment."""
+        self.stats.record(caller, 0, 0, count, 0.0)
+        self.publish()
 
     async def _compute(self, texts: Sequence[str], lane: str) -> Vectors:
         deadline = deadline_after(self._deadlines_ms[lane])
@@ -296,39 +317,12 @@ async def open_engine_host(
         owned = store is None
         if store is None:
             store = await stack.enter_async_context(shared_tier(settings))
-        counts = stats or BoardCacheStats(board)
-        host: EngineHost | None = None
-
-        def queue_wait(lane: str, seconds: float) -> None:
-            board.observe(REQUEST_STAGES, ("queue_wait",), seconds)
-            board.observe(LANE_QUEUE_WAIT, (lane,), seconds)
-            board.recent("queue_wait", seconds * 1000.0)
-
-        def batch_done() -> None:
-            if host is not None:
-                host.publish()
-
-        def sent(caller: str, count: int) -> None:  # misses and items at the same moment
-            counts.record(caller, 0, 0, count, 0.0)
-            batch_done()
-
-        batcher = Batcher(
-            StageTimingEngine(engine, board),
-            max_batch_size=settings.max_batch_size,
-            max_delay_ms=settings.max_delay_ms,
-            max_queue=settings.max_queue,
-            max_batch_tokens=settings.max_batch_tokens,
-            on_queue_wait=queue_wait,
-            on_sent=sent,
-            on_batch_done=batch_done,
-        )
-        await stack.enter_async_context(batcher)
         writer = None
         if store.store is not None:  # through the tiers: a degraded store is skipped a while
             writer = VectorWriter(store, namespace=cache_namespace(info))
-        host = EngineHost(
-            settings, engine, batcher, board, counts, writer, store if owned else None
-        )
+        counts = stats or BoardCacheStats(board)
+        host = EngineHost(settings, engine, board, counts, writer, store if owned else None)
+        await stack.enter_async_context(host.batcher)
         stack.push_async_callback(host.flight.drain, 5.0)  # exits first: rows written back
         host.publish()
         yield host
