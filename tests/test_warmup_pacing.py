@@ -122,3 +122,7 @@ def test_a_job_process_sees_the_whole_server_s_dispatch_lookups(tmp_path: Path) 
     boards = Boards(boards_dir)
     assert boards.scalar("cache.dispatch_lookups") == 38
     assert boards.read().scalars["cache.dispatch_lookups"] == 38
+    own = Board("worker")  # one process: its own board, in memory
+    BoardCacheStats(own).record("dispatch", 4, 0, 0, 0.0)
+    assert Boards(own=own).scalar("cache.dispatch_lookups") == 4
+    assert Boards(own=own).read().scalars["cache.dispatch_lookups"] == 4
