@@ -10,7 +10,7 @@ over a plain compute function (one process)::
       all new misses of the call -> ONE compute(texts, lane) in a task of its own:
           rows computed -> rows future resolved (callers answered)
           -> written back (write_back, awaited; with the entity links of its texts)
-          -> written future resolved (``durable`` callers answered) -> entries dropped
+          -> marked written (``durable`` callers answered) -> entries dropped
 
 An entry lives until its rows are written back, so a caller arriving later finds the text in
 flight or in the store, never neither (API.md v1.1). One window remains: a caller whose store
@@ -104,18 +104,44 @@ class _Flight:
     one per text: at warm-up sizes a future and its callbacks per text cost more than the
     cache). The maps hold the flight itself for each of its texts, not a tuple per text that
     lives until (in ``recent``, after) the write-back: the engine process's loop then spent
-    7-15% less CPU per new text (``bench/engine_bench.py``, docs/BENCHMARKS.md)."""
+    7-15% less CPU per new text (``bench/engine_bench.py``, docs/BENCHMARKS.md).
 
-    __slots__ = ("future", "keys", "row", "written", "written_at")
+    Each caller waits on a future of its own, resolved by ``wake`` as soon as the flight no
+    longer holds it up: the caller resumes on the loop's next turn (``asyncio.wait`` on the
+    shared futures took two: its callback's, then the caller's), and a caller that goes away
+    cancels only its own future."""
+
+    __slots__ = ("future", "keys", "row", "waiters", "written", "written_at")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.row: dict[str, int] = {}  # text -> its row in ``future``'s result, in that order
         self.keys: list[str] = []  # their store keys, in that order, when the caller gave them
         self.future: asyncio.Future[Vectors] = loop.create_future()
         self.future.add_done_callback(_retrieve)
-        self.written: asyncio.Future[None] = loop.create_future()  # the write-back ended
+        self.waiters: list[tuple[asyncio.Future[None], bool]] = []  # (a caller's, durable)
+        self.written = False  # the write-back ended (or never will: the compute failed)
         # when written back: time.monotonic, the same in every process of one machine
         self.written_at = float("-inf")
+
+    def ready(self, durable: bool) -> bool:
+        """Whether a caller (``durable``: one that waits for the write-back) may go on."""
+        return self.written if durable else self.future.done()
+
+    async def wait(self, durable: bool) -> None:
+        if not self.ready(durable):
+            waiter = self.future.get_loop().create_future()
+            self.waiters.append((waiter, durable))
+            await waiter
+
+    def wake(self) -> None:
+        """Resolve the futures of the callers that may go on now."""
+        waiting = []
+        for waiter, durable in self.waiters:
+            if not self.ready(durable):
+                waiting.append((waiter, durable))
+            elif not waiter.done():  # cancelled: its caller went away
+                waiter.set_result(None)
+        self.waiters = waiting
 
 
 def _retrieve(fut: asyncio.Future[Vectors]) -> None:
@@ -230,12 +256,8 @@ class SingleFlight:
             task = loop.create_task(self._run(flight, lane, ttls, linked))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        # asyncio.wait, not ``await fut``: cancelling this caller must not cancel the
-        # futures that other callers share.
-        pending = {f.written if durable else f.future for f in waits}
-        pending = {f for f in pending if not f.done()}
-        if pending:
-            await asyncio.wait(pending)
+        for owner in set(waits):  # each flight once
+            await owner.wait(durable)
         if not waits:
             return Flown(np.empty((0, self._dim), np.float32), [])
         if not joined and flight is not None and len(flight.row) == len(waits):
@@ -272,10 +294,12 @@ class SingleFlight:
             except BaseException as exc:
                 err = exc if isinstance(exc, Exception) else EngineError(f"aborted: {exc!r}")
                 fut.set_exception(err)
+                flight.wake()
                 if err is not exc:
                     raise
                 return
             fut.set_result(rows)  # answered now; the entries stay until written back
+            flight.wake()
             computed = len(texts)
             self.unwritten += computed
             if self._write_back is not None:
@@ -284,9 +308,9 @@ class SingleFlight:
                 except Exception:  # the writer absorbs store failures; this guards bugs
                     log.exception("write-back of %d texts failed", len(texts))
         finally:
-            if not flight.written.done():  # durable waiters go on, whatever happened
-                flight.written.set_result(None)
+            flight.written = True  # durable waiters go on, whatever happened
             flight.written_at = time.monotonic()
+            flight.wake()
             self.unwritten -= computed
             self._written.set()
             inflight, recent = self._inflight, self._recent

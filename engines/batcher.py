@@ -14,8 +14,10 @@ Threading model::
       whose deadline passed                  ------->  take the slices still wanted,
                                                        tokenize, then forward in groups
                                                        within max_batch_tokens
-      await the result                       <-------  (n, dim) float32 or an exception
-      copy each request's rows, resolve futures
+      (sleeps on a future of its own:        <-------  (n, dim) float32 or an exception,
+      submit, close and each step of the               straight to a callback on the loop
+      engine thread resolve it directly)               that copies each request's rows and
+                                                       resolves their futures
 
     tokenizer thread (exactly one): while a batch is in the engine and the queue already
     fills the next batch, the worker takes that batch at once (dispatch items first, as
@@ -27,7 +29,10 @@ Threading model::
     batches are handed over that the engine has not started, and only one of them may hold
     warm-up items: a dispatch item that arrives after a warm-up batch was formed early waits
     for at most one more forward (that batch's), as without the overlap. Only full batches
-    are formed early, so max_delay behaves as without it.
+    are formed early, so max_delay behaves as without it. The engine thread starting on a
+    batch wakes the worker (a slot ahead is free), and its outcome resolves the requests in
+    the loop's next turn: no task or wrapped future between (each layer cost a turn, and a
+    turn of the engine process's loop under 8 workers' load lasts milliseconds).
 
     The engine thread takes a batch's slices when it starts on it, under a lock that the
     deadline timer takes too: a request that went away or expired before that moment is not
@@ -59,12 +64,13 @@ that normal traffic never reaches it: it is a guard against long texts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -168,13 +174,20 @@ class _Request:
 
 
 _Slice = tuple[_Request, int, int]  # request, start, stop
-_Outcome = tuple[list[_Slice], tuple[Vectors, list[float]] | Exception]  # what the engine took
+_Result = tuple[Vectors, list[float]] | Exception  # rows and forward durations, or the error
+_Outcome = tuple[list[_Slice], _Result]  # what the engine thread took, and its result
 
 
-async def _chained(job: Future[Future[_Outcome]]) -> _Outcome:
-    """The outcome of the engine job that ``job`` (the tokenizer thread's) queued."""
-    engine_job: Future[_Outcome] = await asyncio.wrap_future(job)
-    return await asyncio.wrap_future(engine_job)
+def _report(
+    loop: asyncio.AbstractEventLoop,
+    complete: Callable[[int, list[_Slice], _Result], None],
+    key: int,
+    batch: list[_Slice],
+    outcome: _Result,
+) -> None:
+    """From a thread: a batch's outcome to ``complete`` on the loop."""
+    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is left waiting
+        loop.call_soon_threadsafe(complete, key, batch, outcome)
 
 
 class Batcher:
@@ -217,8 +230,10 @@ class Batcher:
         self._lanes: dict[str, deque[_Request]] = {lane: deque() for lane in LANES}
         self._queued = 0  # items waiting in the lanes (not yet in a batch, not dropped)
         self._lane_waiting = dict.fromkeys(LANES, 0)  # the same, per lane
-        self._wakeup = asyncio.Event()
+        self._wake: asyncio.Future[None] | None = None  # the worker's, while it sleeps
         self._worker: asyncio.Task[None] | None = None
+        self._outstanding = 0  # batches handed over whose outcome the loop has not taken
+        self._reruns: set[asyncio.Task[None]] = set()  # failed batches' requests run alone
         self._waiting_engine: dict[int, int] = {}  # batch -> its items, until the engine starts
         self._handed = 0  # batches handed to the engine thread so far (their keys)
         self._claim = threading.Lock()  # the engine thread taking slices | _expire
@@ -254,7 +269,7 @@ class Batcher:
             return
         self._closed = True
         self._fail_queued(EngineError("batcher closed"))
-        self._wakeup.set()
+        self._poke()
         if self._worker is not None:
             await asyncio.wait({self._worker})  # never raises the worker's own outcome
         for executor in (self._executor, self._tokenizer):
@@ -370,7 +385,7 @@ class Batcher:
         self._lanes[lane].append(request)
         self._queued += len(texts)
         self._lane_waiting[lane] += len(texts)
-        self._wakeup.set()
+        self._poke()
         timer = None
         if deadline is not None:
             timer = loop.call_later(deadline - time.monotonic(), self._expire, request)
@@ -417,42 +432,41 @@ class Batcher:
     # -- the worker (event loop) -----------------------------------------------------------
 
     async def _run(self) -> None:
-        handed: list[asyncio.Task[None]] = []  # batches handed over, oldest first
         try:
             while not self._closed:
-                handed = [task for task in handed if not task.done()]
-                if not handed and self._queued:
+                if not self._outstanding and self._queued:
                     await self._wait_for_more()
                     if batch := self._take():
-                        handed += self._hand_off(batch)
-                elif 0 < len(handed) <= AHEAD and (batch := self._take_ahead(len(handed) == 1)):
-                    handed += self._hand_off(batch, ahead=True)
+                        self._hand_off(batch)
+                elif (
+                    self._outstanding
+                    and len(self._waiting_engine) < AHEAD
+                    and (batch := self._take_ahead(not self._waiting_engine))
+                ):
+                    self._hand_off(batch, ahead=True)
                 else:  # idle, or the engine has its next batches, or the next is not full yet
-                    await self._wait_for_wakeup(handed[0] if handed else None)
+                    await self._sleep()
         except Exception:  # a bug here must not leave waiters hanging: fail them below
             logger.exception("batcher worker crashed")
         finally:  # closed, crashed or cancelled: nobody is left waiting
             self._fail_queued(EngineError("batcher closed" if self._closed else "batcher stopped"))
-            if handed:
-                await asyncio.wait(handed)  # the batches handed over finish normally
+            while self._outstanding:  # the batches handed over finish normally
+                await self._sleep()
 
-    async def _wait_for_wakeup(self, forward: asyncio.Task[None] | None) -> None:
-        """Until a submission (or close) arrives, or the oldest batch handed over finishes."""
-        self._wakeup.clear()
-        if self._queued and forward is None:
-            return
-        wakeup = asyncio.ensure_future(self._wakeup.wait())
-        try:
-            await asyncio.wait(
-                {wakeup} | ({forward} if forward else set()), return_when="FIRST_COMPLETED"
-            )
-        finally:
-            wakeup.cancel()
+    async def _sleep(self) -> None:
+        """Until ``_poke``: a submission, close, the engine thread starting on a batch or a
+        batch's outcome taken. Resolved directly, so the worker runs on the loop's next turn."""
+        self._wake = asyncio.get_running_loop().create_future()
+        await self._wake
+
+    def _poke(self) -> None:
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
 
     def _take_ahead(self, first: bool) -> list[_Slice]:
         """The next batch to tokenize while the engine runs, if it is full: of either lane
-        when it is the ``first`` waiting, else of dispatch items only (at most one batch
-        formed early holds warm-up items)."""
+        when it is the ``first`` the engine has not started on, else of dispatch items only
+        (at most one batch formed early holds warm-up items)."""
         lanes = LANES if first else LANES[:1]
         if sum(self._lane_waiting[lane] for lane in lanes) < self.max_batch_size:
             return []
@@ -465,10 +479,9 @@ class Batcher:
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
                 return
-            self._wakeup.clear()
             try:
                 async with asyncio.timeout(remaining):
-                    await self._wakeup.wait()
+                    await self._sleep()
             except TimeoutError:
                 return
 
@@ -498,25 +511,24 @@ class Batcher:
     def _texts(batch: list[_Slice]) -> list[str]:
         return [text for request, start, stop in batch for text in request.texts[start:stop]]
 
-    def _hand_off(self, batch: list[_Slice], ahead: bool = False) -> list[asyncio.Task[None]]:
+    def _hand_off(self, batch: list[_Slice], ahead: bool = False) -> None:
         """Hand ``batch`` to the engine thread, or to the tokenizer thread on its way there
-        (``ahead``); the task that resolves its requests. The engine thread drops, as it
-        starts on the batch, what went away meanwhile."""
+        (``ahead``). The engine thread drops, as it starts on the batch, what went away
+        meanwhile, and hands the outcome to ``_complete`` on the loop."""
         key = self._handed = self._handed + 1
         self._waiting_engine[key] = sum(stop - start for _, start, stop in batch)
         self._batches += 1
+        self._outstanding += 1
         assert self._executor is not None and self._tokenizer is not None
         loop = asyncio.get_running_loop()
-        job: Awaitable[_Outcome]
         if ahead:
-            job = _chained(self._tokenizer.submit(self._tokenize_then_start, loop, key, batch))
+            self._tokenizer.submit(self._tokenize_then_start, loop, key, batch)
         else:
-            job = asyncio.wrap_future(self._executor.submit(self._start, loop, key, batch, None))
-        return [asyncio.create_task(self._finish(key, batch, job))]
+            self._executor.submit(self._engine_job, loop, key, batch, None)
 
     def _tokenize_then_start(
         self, loop: asyncio.AbstractEventLoop, key: int, batch: list[_Slice]
-    ) -> Future[_Outcome]:
+    ) -> None:
         """Runs on the tokenizer thread: tokenize ``batch`` and queue it on the engine thread
         (in the order taken: this thread is one)."""
         assert self._executor is not None
@@ -524,7 +536,25 @@ class Batcher:
             tokens: Batch | None = self.engine.tokenize(self._texts(batch))
         except Exception:  # the engine thread tokenizes again and reports any error
             tokens = None
-        return self._executor.submit(self._start, loop, key, batch, tokens)
+        try:
+            self._executor.submit(self._engine_job, loop, key, batch, tokens)
+        except Exception as exc:  # shut down meanwhile: the loop fails what it held
+            _report(loop, self._complete, key, batch, exc)
+
+    def _engine_job(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        key: int,
+        batch: list[_Slice],
+        tokens: Batch | None,
+    ) -> None:
+        """Runs on the engine thread: the batch, then its outcome straight to the loop (one
+        turn of it between a forward's end and its requests resolved)."""
+        try:
+            live, outcome = self._start(loop, key, batch, tokens)
+        except Exception as exc:  # a bug around the engine call: its error, to all it held
+            live, outcome = batch, exc
+        _report(loop, self._complete, key, live, outcome)
 
     def _start(
         self,
@@ -560,7 +590,9 @@ class Batcher:
             return live, exc
 
     def _sent(self, live: list[_Slice], now: float) -> None:
-        """On the event loop: the slices the engine thread started on, counted."""
+        """On the event loop: the slices the engine thread started on, counted; the worker
+        may hand over the next batch."""
+        self._poke()
         for request, start, stop in live:
             self._observe_wait(request.lane, now - request.submitted)
             if request.counted:
@@ -569,39 +601,49 @@ class Batcher:
             else:
                 self._uncounted_items += stop - start
 
-    async def _finish(self, key: int, handed: list[_Slice], job: Awaitable[_Outcome]) -> None:
-        """Resolve the requests of a batch handed over, with its rows or its error."""
-        outcome: tuple[Vectors, list[float]] | Exception
-        try:
-            batch, outcome = await job
-        except asyncio.CancelledError:  # the batcher stopped: nobody is left waiting
-            self._fail([request for request, _, _ in handed], EngineError("batcher stopped"))
-            raise
-        except Exception as exc:  # a bug around the engine call: its error, to all it held
-            batch, outcome = handed, exc
-        finally:
-            self._waiting_engine.pop(key, None)
+    def _complete(self, key: int, batch: list[_Slice], outcome: _Result) -> None:
+        """On the event loop: resolve the requests of a batch handed over, with its rows or
+        its error."""
+        self._waiting_engine.pop(key, None)
+        if isinstance(outcome, BatchError) and len(batch) > 1:
+            size = sum(stop - start for _, start, stop in batch)
+            self._batch_failed(outcome, size, healthy=True)
+            task = asyncio.create_task(self._run_each_alone(batch))
+            self._reruns.add(task)
+            task.add_done_callback(self._reruns.discard)
+            return
         if isinstance(outcome, Exception):
             size = sum(stop - start for _, start, stop in batch)
-            if isinstance(outcome, BatchError) and len(batch) > 1:
-                self._batch_failed(outcome, size, healthy=True)
-                for item in batch:  # alone: only those whose own texts fail get the error
-                    await self._run_alone(item)
-            else:
-                error = outcome if isinstance(outcome, BatchError) else as_engine_error(outcome)
-                # An engine that declines (EngineUnavailableError) reports why, and when
-                # it is back, in its own health(); only a real failure marks the batcher
-                # unhealthy.
-                healthy = isinstance(outcome, (BatchError, EngineUnavailableError))
-                self._batch_failed(outcome, size, healthy=healthy)
-                self._fail([request for request, _, _ in batch], error)
+            error = outcome if isinstance(outcome, BatchError) else as_engine_error(outcome)
+            # An engine that declines (EngineUnavailableError) reports why, and when it is
+            # back, in its own health(); only a real failure marks the batcher unhealthy.
+            healthy = isinstance(outcome, (BatchError, EngineUnavailableError))
+            self._batch_failed(outcome, size, healthy=healthy)
+            self._fail([request for request, _, _ in batch], error)
         elif batch:
             vectors, durations = outcome
             self._batches += len(durations) - 1  # one per forward when the budget split it
             self._done(batch, vectors, durations)
         else:
             self._batches -= 1  # nothing of it reached the engine
+        self._completed()
+
+    def _completed(self) -> None:
+        self._outstanding -= 1
         self._notify(self.on_batch_done)
+        self._poke()
+
+    async def _run_each_alone(self, batch: list[_Slice]) -> None:
+        """A batch that failed by what it held: each request's slice alone, so that only
+        those whose own texts fail get the error."""
+        try:
+            for item in batch:
+                await self._run_alone(item)
+        except asyncio.CancelledError:  # the batcher stopped: nobody is left waiting
+            self._fail([request for request, _, _ in batch], EngineError("batcher stopped"))
+            raise
+        finally:
+            self._completed()
 
     async def _forward(self, texts: list[str], tokens: Batch | None) -> tuple[Vectors, list[float]]:
         loop = asyncio.get_running_loop()

@@ -10,12 +10,13 @@ import asyncio
 import random
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 import numpy as np
 import pytest
 
+from cache.flight import SingleFlight
 from engines.base import (
     Batch,
     BatchError,
@@ -563,6 +564,87 @@ def test_two_full_batches_wait_on_the_engine_thread_and_run_with_the_loop_blocke
         assert engine.batches[3:] == [["e"]]
         for text, vectors in zip("abcde", results[1:], strict=True):
             np.testing.assert_array_equal(vectors, engine.expected([text]))
+
+    run(test)
+
+
+class TurnsAfter:
+    """The event loop's turns from the one after it is made: a callback that queues itself
+    again runs once a turn, after the callbacks already queued for that turn."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._loop = asyncio.get_running_loop()
+        self._loop.call_soon(self._tick)
+
+    def _tick(self) -> None:
+        self.count += 1
+        self._loop.call_soon(self._tick)
+
+
+async def outcome_turns(
+    engine: ThreadRecordingEngine, batcher: Batcher, waiter: Callable[[str], Awaitable[None]]
+) -> int:
+    """In how many turns of the loop ``waiter("first")`` resumes after its batch's outcome
+    reached the loop (queued to it while the loop was blocked: no timing in the count)."""
+    turns: list[TurnsAfter] = []
+
+    async def first() -> int:
+        await waiter("first")
+        return turns[0].count
+
+    task = asyncio.create_task(first())
+    await engine_busy(engine)
+    second = spawn(batcher.submit(["second"]))  # behind it: its start proves "first" reported
+    await until(lambda: len(engine.tokenized_on) == 2)
+
+    def block() -> None:
+        engine.release()
+        assert engine.ran(2, timeout=10), "the engine thread never went on to the next batch"
+        turns.append(TurnsAfter())
+
+    asyncio.get_running_loop().call_soon(block)
+    count = await task
+    await second
+    return count
+
+
+def test_a_submitter_resumes_in_the_turn_after_its_batch_s_outcome_arrives() -> None:
+    """Under 8 workers' load a turn of the engine process's loop lasts milliseconds (H200,
+    docs/BENCHMARKS.md), so every turn between a forward's end and its waiter is latency:
+    the outcome's one callback resolves the submitter, which runs in the next turn (a
+    wrapped future and a task in between took two more)."""
+
+    async def test() -> None:
+        engine = ThreadRecordingEngine(hold=True)
+        async with Batcher(engine, max_batch_size=1) as batcher:
+
+            async def submit(text: str) -> None:
+                await batcher.submit([text])
+
+            assert await outcome_turns(engine, batcher, submit) == 1
+
+    run(test)
+
+
+def test_a_miss_s_caller_resumes_two_turns_after_its_batch_s_outcome_arrives() -> None:
+    """The same through the in-flight map, a miss's path in the engine process: the outcome
+    resolves the flight's compute, whose task resolves each caller's own future (through
+    ``asyncio.wait`` on the flight's shared future the caller took two turns more)."""
+
+    async def test() -> None:
+        engine = ThreadRecordingEngine(hold=True)
+        async with Batcher(engine, max_batch_size=1) as batcher:
+
+            async def compute(texts: Sequence[str], lane: str) -> Vectors:
+                return await batcher.submit(texts, lane)
+
+            flight = SingleFlight(compute, engine.dim)
+
+            async def embed(text: str) -> None:
+                await flight.embed([text], lane="dispatch", caller="dispatch")
+
+            assert await outcome_turns(engine, batcher, embed) == 2
 
     run(test)
 
