@@ -136,12 +136,18 @@ class LoopSocket:
 
     ZeroMQ's FD signals edges, not levels: after any send or receive the socket is asked
     again (``EVENTS``) whether a message waits, since that call may have consumed the
-    signal of one that came in meanwhile."""
+    signal of one that came in meanwhile.
+
+    Either ``recv`` messages one by one, or ``listen``: each message handed to a callback in
+    the very turn the FD signals (``recv``'s caller resumes a turn later, and a task it then
+    starts per message one more: under 8 workers' load a turn of the engine process's loop
+    lasts milliseconds)."""
 
     def __init__(self, sock: zmq.Socket[bytes]) -> None:
         self.sock = sock
         self._ready: asyncio.Event | None = None  # the FD signalled (or may have)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._on_message: Callable[[list[zmq.Frame]], None] | None = None
 
     def _readable(self) -> bool:
         return bool(int(self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
@@ -152,9 +158,32 @@ class LoopSocket:
         self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         if self._ready is not None and self._readable():
             self._ready.set()
+        elif self._on_message is not None and self._loop is not None and self._readable():
+            self._loop.call_soon(self._drain)  # not from here: the sender may be a callback
+
+    def listen(self, on_message: Callable[[list[zmq.Frame]], None]) -> None:
+        """From now until ``close``, each message to ``on_message``, on the loop, at once (a
+        callback that raises loses its message only: it is logged)."""
+        assert self._ready is None, "a socket is either listened to or received from"
+        self._on_message = on_message
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self.sock.FD, self._drain)
+        self._loop.call_soon(self._drain)  # any already waiting: their signal may be gone
+
+    def _drain(self) -> None:
+        while (on_message := self._on_message) is not None and not self.sock.closed:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                on_message(frames)
+            except Exception:
+                log.exception("a message was dropped: its handler failed")
 
     async def recv(self) -> list[zmq.Frame]:
         """The next message, at once when one waits."""
+        assert self._on_message is None, "a socket is either listened to or received from"
         while True:
             try:
                 return self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -168,14 +197,20 @@ class LoopSocket:
             if not self._readable():
                 await self._ready.wait()
 
-    def close(self) -> None:
+    def unlisten(self) -> None:
+        """No more messages to the ``listen`` callback (nor to a ``recv``)."""
+        self._on_message = None
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self.sock.FD)
+
+    def close(self) -> None:
+        self.unlisten()
         self.sock.close(linger=0)
 
 
 class RpcServer:
-    """A ROUTER serving ``handlers`` by op name; each request runs in a task of its own."""
+    """A ROUTER serving ``handlers`` by op name; each request runs in a task of its own,
+    started as its message arrives (``LoopSocket.listen``)."""
 
     def __init__(self, bind: str, handlers: dict[str, Handler]) -> None:
         self.address = bind
@@ -197,23 +232,25 @@ class RpcServer:
 
     async def serve(self) -> None:
         """Receive until cancelled."""
+        self._sock.listen(self._received)
         try:
-            while True:
-                frames = await self._sock.recv()
-                peer, message, blobs = frames[0].bytes, _decode(frames[1].bytes), frames[2:]
-                self.peers[peer] = time.monotonic()
-                sid = message.get("sid")
-                if sid is not None:  # a client answering our call
-                    future = self._calls.pop(sid, None)
-                    if future is not None and not future.done():
-                        future.set_result(message)
-                    continue
-                task = asyncio.create_task(self._handle(peer, message, blobs))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+            await asyncio.get_running_loop().create_future()
         finally:
             for task in list(self._tasks):
                 task.cancel()
+
+    def _received(self, frames: list[zmq.Frame]) -> None:
+        peer, message, blobs = frames[0].bytes, _decode(frames[1].bytes), frames[2:]
+        self.peers[peer] = time.monotonic()
+        sid = message.get("sid")
+        if sid is not None:  # a client answering our call
+            future = self._calls.pop(sid, None)
+            if future is not None and not future.done():
+                future.set_result(message)
+            return
+        task = asyncio.create_task(self._handle(peer, message, blobs))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _handle(self, peer: bytes, message: dict[str, Any], blobs: list[zmq.Frame]) -> None:
         out: Blobs = ()
@@ -308,8 +345,8 @@ class RpcClient:
         self._changed = asyncio.Event()
 
     async def start(self) -> RpcClient:
+        self._sock.listen(self._received)
         self._tasks = [
-            asyncio.create_task(self._receive(), name=f"rpc-receive {self.address}"),
             asyncio.create_task(self._ping(), name=f"rpc-ping {self.address}"),
             asyncio.create_task(self._watch(), name=f"rpc-watch {self.address}"),
         ]
@@ -328,6 +365,7 @@ class RpcClient:
         return True
 
     async def close(self) -> None:
+        self._sock.unlisten()  # no answer or request handled from here on
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -377,19 +415,17 @@ class RpcClient:
             raise_payload(error)
         return reply, frames
 
-    async def _receive(self) -> None:
-        while True:
-            frames = await self._sock.recv()
-            message = _decode(frames[0].bytes)
-            self._answered = time.monotonic()
-            if "sid" in message:
-                task = asyncio.create_task(self._answer(message))
-                self._tasks.append(task)
-                task.add_done_callback(self._tasks.remove)
-                continue
-            future = self._pending.get(message.get("id", -1))
-            if future is not None and not future.done():
-                future.set_result((message, frames[1:]))
+    def _received(self, frames: list[zmq.Frame]) -> None:
+        message = _decode(frames[0].bytes)
+        self._answered = time.monotonic()
+        if "sid" in message:
+            task = asyncio.create_task(self._answer(message))
+            self._tasks.append(task)
+            task.add_done_callback(self._tasks.remove)
+            return
+        future = self._pending.get(message.get("id", -1))
+        if future is not None and not future.done():
+            future.set_result((message, frames[1:]))
 
     async def _answer(self, message: dict[str, Any]) -> None:
         try:

@@ -1,7 +1,7 @@
 """``proxy.ipc.LoopSocket``, the ZeroMQ socket every IPC call of a server travels on: every
-message sent arrives once, in order per sender, including those that come in while the
-receiver is busy sending (ZeroMQ's FD signals an edge that a send can consume), and a closed
-socket leaves nothing behind in the event loop."""
+message sent arrives once, in order per sender (to ``recv`` or to a ``listen`` callback),
+including those that come in while the receiver is busy sending (ZeroMQ's FD signals an edge
+that a send can consume), and a closed socket leaves nothing behind in the event loop."""
 
 from __future__ import annotations
 
@@ -102,3 +102,47 @@ def test_a_receiver_waits_for_a_late_message_and_a_closed_socket_leaves_the_loop
         await asyncio.sleep(0.05)  # and the loop runs on
 
     asyncio.run(main())
+
+
+def test_a_listener_gets_every_burst_in_order_and_a_failing_handler_loses_one_message(
+    tmp_path: Path,
+) -> None:
+    """``listen``: each message to the callback as the FD signals, those that come in while
+    the callback itself sends included; a callback that raises loses that message only."""
+    clients, each = 4, 500
+
+    async def main() -> dict[bytes, list[int]]:
+        server, dealers = pair(tmp_path, clients)
+        seen: dict[bytes, list[int]] = {}
+
+        def echo(frames: list[zmq.Frame]) -> None:
+            peer, body = frames
+            if body.bytes == b"boom":
+                raise ValueError("a bad message")
+            seen.setdefault(peer.bytes, []).append(int(body.bytes))
+            server.send([peer, body])  # may take the FD's signal of the next message
+
+        async def client(dealer: LoopSocket) -> list[int]:
+            dealer.send([b"boom"])
+            for i in range(each):
+                dealer.send([b"%d" % i])
+                if i % 50 == 0:
+                    await asyncio.sleep(0)  # the server answers some while more are sent
+            return [int((await dealer.recv())[0].bytes) for _ in range(each)]
+
+        server.listen(echo)
+        try:
+            echoed = await asyncio.wait_for(
+                asyncio.gather(*(client(d) for d in dealers)), timeout=20
+            )
+        finally:
+            fd = server.sock.FD
+            for sock in (server, *dealers):
+                sock.close()
+        assert not asyncio.get_running_loop().remove_reader(fd)  # close() took it off
+        assert all(answers == list(range(each)) for answers in echoed)
+        return seen
+
+    seen = asyncio.run(main())
+    assert sorted(seen) == [f"c{i}".encode() for i in range(clients)]
+    assert all(bodies == list(range(each)) for bodies in seen.values())
