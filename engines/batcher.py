@@ -612,21 +612,24 @@ class Batcher:
             self._reruns.add(task)
             task.add_done_callback(self._reruns.discard)
             return
-        if isinstance(outcome, Exception):
-            size = sum(stop - start for _, start, stop in batch)
-            error = outcome if isinstance(outcome, BatchError) else as_engine_error(outcome)
-            # An engine that declines (EngineUnavailableError) reports why, and when it is
-            # back, in its own health(); only a real failure marks the batcher unhealthy.
-            healthy = isinstance(outcome, (BatchError, EngineUnavailableError))
-            self._batch_failed(outcome, size, healthy=healthy)
-            self._fail([request for request, _, _ in batch], error)
-        elif batch:
-            vectors, durations = outcome
-            self._batches += len(durations) - 1  # one per forward when the budget split it
-            self._done(batch, vectors, durations)
-        else:
-            self._batches -= 1  # nothing of it reached the engine
-        self._completed()
+        try:
+            if isinstance(outcome, Exception):
+                size = sum(stop - start for _, start, stop in batch)
+                error = outcome if isinstance(outcome, BatchError) else as_engine_error(outcome)
+                # An engine that declines (EngineUnavailableError) reports why, and when it
+                # is back, in its own health(); only a real failure marks the batcher
+                # unhealthy.
+                healthy = isinstance(outcome, (BatchError, EngineUnavailableError))
+                self._batch_failed(outcome, size, healthy=healthy)
+                self._fail([request for request, _, _ in batch], error)
+            elif batch:
+                vectors, durations = outcome
+                self._batches += len(durations) - 1  # one per forward when the budget split it
+                self._done(batch, vectors, durations)
+            else:
+                self._batches -= 1  # nothing of it reached the engine
+        finally:  # a bug above must not leave the worker waiting for this batch forever
+            self._completed()
 
     def _completed(self) -> None:
         self._outstanding -= 1
