@@ -439,9 +439,69 @@ def engine_handlers(host: EngineHost, server: RpcServer) -> dict[str, Handler]:
     }
 
 
+MERGED_TEXTS = 256  # a worker's merged engine call holds at most this many texts
+
+
+class _Merged:
+    """The misses of a worker's ``embed`` calls made in one turn of its loop, with the same
+    lane, caller and durability: one engine call. Each caller waits on a future of its own
+    for its slice of the answer."""
+
+    __slots__ = ("caller", "durable", "keys", "lane", "links", "since", "texts", "ttl", "waiters")
+
+    def __init__(self, lane: str, caller: str, durable: bool, keyed: bool) -> None:
+        self.lane, self.caller, self.durable = lane, caller, durable
+        self.texts: list[str] = []
+        self.keys: list[str] | None = [] if keyed else None
+        self.ttl: dict[str, float] = {}
+        self.links: list[list[str]] = []
+        self.since: float | None = float("-inf")
+        self.waiters: list[tuple[asyncio.Future[Flown], int, int]] = []
+
+    def add(
+        self,
+        texts: Sequence[str],
+        ttl_s: Mapping[str, float],
+        since: float | None,
+        links: Sequence[tuple[str, str, str]],
+        keys: Sequence[str] | None,
+    ) -> asyncio.Future[Flown]:
+        """A caller's texts; the future of its slice of the answer. The merged call's
+        ``since`` is the latest of its callers' (None if one has none): a text written back
+        between two callers' lookups is computed again rather than joined by a caller whose
+        lookup began after it was written (and missed it: expired, dropped or failed)."""
+        start = len(self.texts)
+        self.texts += texts
+        if self.keys is not None and keys is not None:
+            self.keys += keys
+        self.ttl.update(ttl_s)
+        self.links += [list(link) for link in links]
+        self.since = None if since is None or self.since is None else max(self.since, since)
+        waiter: asyncio.Future[Flown] = asyncio.get_running_loop().create_future()
+        self.waiters.append((waiter, start, len(self.texts)))
+        return waiter
+
+    def answer(self, flown: Flown | BaseException) -> None:
+        for waiter, start, stop in self.waiters:
+            if waiter.done():  # its caller went away
+                continue
+            if isinstance(flown, asyncio.CancelledError):  # the worker is stopping
+                waiter.cancel()
+            elif isinstance(flown, BaseException):
+                waiter.set_exception(flown)
+            else:
+                waiter.set_result(Flown(flown.rows[start:stop], flown.coalesced[start:stop]))
+
+
 class RemoteEngine:
     """The engine process, as the workers see it: a ``Flight`` for their caches, its health
-    and identity from the last ping (no round trip for /readyz)."""
+    and identity from the last ping (no round trip for /readyz).
+
+    ``embed`` calls made in one turn of the worker's loop go as one engine call (up to
+    ``MERGED_TEXTS`` texts; per lane, caller and durability): the engine process's loop pays
+    per call as much as for ~40 texts (docs/BENCHMARKS.md), and under load a worker's loop
+    finishes several requests' lookups in one turn. A text in two of them is computed once
+    (the later one coalesced, as across two calls); each caller gets its own slice."""
 
     def __init__(
         self,
@@ -449,12 +509,14 @@ class RemoteEngine:
         info: EngineInfo,
         on_call: Callable[[float], None] | None = None,
     ) -> None:
-        """``on_call(seconds)``: each embed call's time from sent to answered (the
+        """``on_call(seconds)``: each engine call's time from sent to answered (the
         ``engine_call`` stage; the worker's own tokenizing not in it)."""
         self.client = client
         self.info = info
         self._on_call = on_call
         self._tokenizer: FastTokenizer | None = None
+        self._open: dict[tuple[str, str, bool, bool], _Merged] = {}  # filling this turn
+        self._calls: set[asyncio.Task[None]] = set()
 
     def _token_ids(self, texts: Sequence[str]) -> tuple[dict[str, Any], Blobs]:
         """The texts' token ids when the engine pads ids of a tokenizer this process has: one
@@ -487,24 +549,45 @@ class RemoteEngine:
         durable: bool = True,
         keys: Sequence[str] | None = None,
     ) -> Flown:
-        tokens, blobs = self._token_ids(texts)
-        started = time.perf_counter()
-        reply, frames = await self.client.call(
-            "embed",
-            blobs,
-            **tokens,
-            texts=list(texts),
-            lane=lane,
-            caller=caller,
-            ttl=dict(ttl_s),
-            since=since,
-            links=[list(link) for link in links],
-            durable=durable,
-            keys=None if keys is None else list(keys),
-        )
-        if self._on_call is not None:
-            self._on_call(time.perf_counter() - started)
-        return Flown(frame_rows(frames[0], self.info.dim), [bool(c) for c in reply["coalesced"]])
+        group = (lane, caller, durable, keys is not None)
+        merged = self._open.get(group)
+        if merged is None or len(merged.texts) + len(texts) > MERGED_TEXTS:
+            merged = self._open[group] = _Merged(lane, caller, durable, keys is not None)
+            asyncio.get_running_loop().call_soon(self._send, group, merged)
+        return await merged.add(texts, ttl_s, since, links, keys)
+
+    def _send(self, group: tuple[str, str, bool, bool], merged: _Merged) -> None:
+        if self._open.get(group) is merged:
+            del self._open[group]
+        task = asyncio.create_task(self._call(merged))
+        self._calls.add(task)
+        task.add_done_callback(self._calls.discard)
+
+    async def _call(self, merged: _Merged) -> None:
+        try:
+            tokens, blobs = self._token_ids(merged.texts)
+            started = time.perf_counter()
+            reply, frames = await self.client.call(
+                "embed",
+                blobs,
+                **tokens,
+                texts=merged.texts,
+                lane=merged.lane,
+                caller=merged.caller,
+                ttl=merged.ttl,
+                since=merged.since,
+                links=merged.links,
+                durable=merged.durable,
+                keys=merged.keys,
+            )
+            if self._on_call is not None:
+                self._on_call(time.perf_counter() - started)
+            rows = frame_rows(frames[0], self.info.dim)
+            merged.answer(Flown(rows, [bool(c) for c in reply["coalesced"]]))
+        except BaseException as exc:  # every caller gets the call's error
+            merged.answer(exc)
+            if not isinstance(exc, Exception):
+                raise
 
     def health(self) -> EngineHealth:
         if not self.client.up:
