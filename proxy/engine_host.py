@@ -553,17 +553,14 @@ class RemoteEngine:
         merged = self._open.get(group)
         if merged is None or len(merged.texts) + len(texts) > MERGED_TEXTS:
             merged = self._open[group] = _Merged(lane, caller, durable, keys is not None)
-            asyncio.get_running_loop().call_soon(self._send, group, merged)
+            task = asyncio.create_task(self._call(group, merged))  # it starts next turn
+            self._calls.add(task)
+            task.add_done_callback(self._calls.discard)
         return await merged.add(texts, ttl_s, since, links, keys)
 
-    def _send(self, group: tuple[str, str, bool, bool], merged: _Merged) -> None:
-        if self._open.get(group) is merged:
+    async def _call(self, group: tuple[str, str, bool, bool], merged: _Merged) -> None:
+        if self._open.get(group) is merged:  # it holds every call of the turn it was opened in
             del self._open[group]
-        task = asyncio.create_task(self._call(merged))
-        self._calls.add(task)
-        task.add_done_callback(self._calls.discard)
-
-    async def _call(self, merged: _Merged) -> None:
         try:
             tokens, blobs = self._token_ids(merged.texts)
             started = time.perf_counter()

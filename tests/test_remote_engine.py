@@ -180,10 +180,26 @@ def test_the_engine_s_error_reaches_every_caller_of_the_merged_call() -> None:
 
 
 @pytest.mark.parametrize("texts", [[], ["only"]])
-def test_a_lone_call_is_sent_as_it_is(texts: list[str]) -> None:
+def test_a_lone_call_is_sent_as_it_is_on_the_loop_s_next_turn(texts: list[str]) -> None:
+    """Merging costs a lone call one turn of the worker's loop, no more."""
+
     async def scenario() -> None:
-        engine, client = remote(fake_rows(FakeEngine().dim))
+        loop, turns, sent_at = asyncio.get_running_loop(), [0], []
+
+        def tick() -> None:  # runs once a turn
+            turns[0] += 1
+            loop.call_soon(tick)
+
+        rows = fake_rows(FakeEngine().dim)
+
+        async def handler(message: dict[str, Any]) -> tuple[dict[str, Any], list[bytes]]:
+            sent_at.append(turns[0])
+            return await rows(message)
+
+        engine, client = remote(handler)
+        loop.call_soon(tick)
         flown = await embed(engine, texts)
+        assert sent_at == [1]
         assert [m["texts"] for m in client.calls] == [texts]
         assert flown.rows.shape == (len(texts), FakeEngine().dim) and flown.coalesced == [
             False
