@@ -474,7 +474,8 @@ class _Merged:
         self.texts += texts
         if self.keys is not None and keys is not None:
             self.keys += keys
-        self.ttl.update(ttl_s)
+        for text, seconds in ttl_s.items():  # the first caller's, as if it computed alone
+            self.ttl.setdefault(text, seconds)
         self.links += [list(link) for link in links]
         self.since = None if since is None or self.since is None else max(self.since, since)
         waiter: asyncio.Future[Flown] = asyncio.get_running_loop().create_future()
@@ -498,10 +499,12 @@ class RemoteEngine:
     and identity from the last ping (no round trip for /readyz).
 
     ``embed`` calls made in one turn of the worker's loop go as one engine call (up to
-    ``MERGED_TEXTS`` texts; per lane, caller and durability): the engine process's loop pays
-    per call as much as for ~40 texts (docs/BENCHMARKS.md), and under load a worker's loop
-    finishes several requests' lookups in one turn. A text in two of them is computed once
-    (the later one coalesced, as across two calls); each caller gets its own slice."""
+    ``MERGED_TEXTS`` texts; per lane, caller, durability and keys given or not): the engine
+    process's loop pays for each call besides each text, and under load a worker's loop
+    finishes several requests' lookups in one turn (on the 2-core box 2.5-2.7 of them a call
+    at 16 connections, and the engine's loop 24% less CPU a new text: docs/BENCHMARKS.md).
+    A text in two of them is computed once (the later one coalesced, as across two calls);
+    each caller gets its own slice."""
 
     def __init__(
         self,

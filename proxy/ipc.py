@@ -198,7 +198,7 @@ class LoopSocket:
                 await self._ready.wait()
 
     def unlisten(self) -> None:
-        """No more messages to the ``listen`` callback (nor to a ``recv``)."""
+        """No more messages taken from here on (the FD's reader off the loop)."""
         self._on_message = None
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self.sock.FD)
@@ -236,6 +236,7 @@ class RpcServer:
         try:
             await asyncio.get_running_loop().create_future()
         finally:
+            self._sock.unlisten()
             for task in list(self._tasks):
                 task.cancel()
 

@@ -110,11 +110,19 @@ def test_a_merged_call_carries_every_caller_s_links_ttls_keys_and_the_latest_sin
         link_a, link_b = ("driver", "d1", "a"), ("driver", "d2", "hit text")
         await asyncio.gather(
             embed(engine, ["a"], ttl_s={"a": 60.0}, since=10.0, links=[link_a], keys=["k:a"]),
-            embed(engine, ["b"], ttl_s={}, since=12.5, links=[link_b], keys=["k:b"]),
+            embed(
+                engine,
+                ["b", "a"],
+                ttl_s={"a": 5.0},
+                since=12.5,
+                links=[link_b],
+                keys=["k:b", "k:a"],
+            ),
         )
         [call] = client.calls
-        assert call["ttl"] == {"a": 60.0} and call["since"] == 12.5
-        assert call["links"] == [list(link_a), list(link_b)] and call["keys"] == ["k:a", "k:b"]
+        assert call["ttl"] == {"a": 60.0} and call["since"] == 12.5  # the first caller's ttl
+        assert call["links"] == [list(link_a), list(link_b)]
+        assert call["keys"] == ["k:a", "k:b", "k:a"]
         client.calls.clear()
         # a caller that gives no ``since`` joins nothing written before: nor does the call
         await asyncio.gather(embed(engine, ["c"], since=3.0), embed(engine, ["d"], since=None))
