@@ -439,7 +439,7 @@ def engine_handlers(host: EngineHost, server: RpcServer) -> dict[str, Handler]:
     }
 
 
-MERGED_TEXTS = 256  # a worker's merged engine call holds at most this many texts
+MERGED_TEXTS = 256  # a worker's merged engine call holds at most this many texts (default)
 
 
 class _Merged:
@@ -499,7 +499,7 @@ class RemoteEngine:
     and identity from the last ping (no round trip for /readyz).
 
     ``embed`` calls made in one turn of the worker's loop go as one engine call (up to
-    ``MERGED_TEXTS`` texts; per lane, caller, durability and keys given or not): the engine
+    ``merged_texts`` texts; per lane, caller, durability and keys given or not): the engine
     process's loop pays for each call besides each text, and under load a worker's loop
     finishes several requests' lookups in one turn (on the 2-core box 2.5-2.7 of them a call
     at 16 connections, and the engine's loop 24% less CPU a new text: docs/BENCHMARKS.md).
@@ -511,12 +511,17 @@ class RemoteEngine:
         client: RpcClient,
         info: EngineInfo,
         on_call: Callable[[float], None] | None = None,
+        merged_texts: int = MERGED_TEXTS,
     ) -> None:
         """``on_call(seconds)``: each engine call's time from sent to answered (the
-        ``engine_call`` stage; the worker's own tokenizing not in it)."""
+        ``engine_call`` stage; the worker's own tokenizing not in it). ``merged_texts``: at
+        most this many texts in a merged call (no more than the engine's ``max_queue``, or
+        calls that fit alone would be refused together as too large); a call of more goes
+        alone."""
         self.client = client
         self.info = info
         self._on_call = on_call
+        self._merged_texts = merged_texts
         self._tokenizer: FastTokenizer | None = None
         self._open: dict[tuple[str, str, bool, bool], _Merged] = {}  # filling this turn
         self._calls: set[asyncio.Task[None]] = set()
@@ -554,7 +559,7 @@ class RemoteEngine:
     ) -> Flown:
         group = (lane, caller, durable, keys is not None)
         merged = self._open.get(group)
-        if merged is None or len(merged.texts) + len(texts) > MERGED_TEXTS:
+        if merged is None or len(merged.texts) + len(texts) > self._merged_texts:
             merged = self._open[group] = _Merged(lane, caller, durable, keys is not None)
             task = asyncio.create_task(self._call(group, merged))  # it starts next turn
             self._calls.add(task)

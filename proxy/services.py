@@ -42,7 +42,13 @@ from features.models import DriverRecord, Position, Status
 from features.text import driver_text
 from proxy.board import Board, Boards
 from proxy.drift import HitReservoir
-from proxy.engine_host import RemoteEngine, cache_namespace, engine_name, open_engine_host
+from proxy.engine_host import (
+    MERGED_TEXTS,
+    RemoteEngine,
+    cache_namespace,
+    engine_name,
+    open_engine_host,
+)
 from proxy.index_host import IndexService, RemoteIndex, open_index_host
 from proxy.ipc import RpcClient, address
 from proxy.routing import EngineRouter
@@ -352,7 +358,8 @@ async def open_worker_services(
             await client.start()
             stack.push_async_callback(client.close)
         engine_call = functools.partial(RequestLatency(board).observe_stage, "engine_call")
-        remotes = [RemoteEngine(c, cluster.info, engine_call) for c in engine_clients]
+        merged = min(MERGED_TEXTS, settings.max_queue)  # a merged call must fit the queue
+        remotes = [RemoteEngine(c, cluster.info, engine_call, merged) for c in engine_clients]
         engine = EngineRouter(remotes, cluster.devices, settings.engine_routing)
         index = RemoteIndex(index_client)
         tiers = build_tiers(settings)

@@ -55,9 +55,9 @@ def fake_rows(dim: int) -> Handler:
     return handler
 
 
-def remote(handler: Handler) -> tuple[RemoteEngine, Loopback]:
+def remote(handler: Handler, merged_texts: int = MERGED_TEXTS) -> tuple[RemoteEngine, Loopback]:
     client = Loopback(handler)
-    return RemoteEngine(client, FakeEngine().info), client  # type: ignore[arg-type]
+    return RemoteEngine(client, FakeEngine().info, None, merged_texts), client  # type: ignore[arg-type]
 
 
 async def embed(engine: RemoteEngine, texts: list[str], **options: Any) -> Any:
@@ -146,6 +146,13 @@ def test_lanes_callers_durability_and_keys_go_apart_and_calls_stop_at_merged_tex
         size = MERGED_TEXTS // 2 + 1
         await asyncio.gather(*(embed(engine, [f"t{i}-{j}" for j in range(size)]) for i in range(3)))
         assert [len(m["texts"]) for m in client.calls] == [size, size, size]
+        # an engine whose queue holds 10 texts: merged calls stay within it, a larger one alone
+        small, client = remote(fake_rows(FakeEngine().dim), merged_texts=10)
+        sizes = [4, 4, 4, 12]
+        await asyncio.gather(
+            *(embed(small, [f"q{i}-{j}" for j in range(n)]) for i, n in enumerate(sizes))
+        )
+        assert [len(m["texts"]) for m in client.calls] == [8, 4, 12]
 
     asyncio.run(scenario())
 
