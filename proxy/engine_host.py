@@ -26,7 +26,7 @@ from contextvars import ContextVar
 from dataclasses import asdict
 from itertools import chain, pairwise
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import zmq
@@ -34,7 +34,7 @@ import zmq
 from cache.flight import Flown, SingleFlight, Vectors
 from cache.stores import TieredByteStore
 from cache.writer import VectorWriter
-from engines.base import Engine, EngineInfo
+from engines.base import BatchError, Engine, EngineInfo
 from engines.batcher import Batcher, EngineHealth, deadline_after
 from engines.fallback import FallbackEngine
 from engines.registry import create_engine
@@ -442,12 +442,24 @@ def engine_handlers(host: EngineHost, server: RpcServer) -> dict[str, Handler]:
 MERGED_TEXTS = 256  # a worker's merged engine call holds at most this many texts (default)
 
 
+class _Part(NamedTuple):
+    """One caller's share of a merged call: its slice, and its own arguments (to send it
+    alone)."""
+
+    waiter: asyncio.Future[Flown]
+    start: int
+    stop: int
+    ttl: Mapping[str, float]
+    since: float | None
+    links: list[list[str]]
+
+
 class _Merged:
     """The misses of a worker's ``embed`` calls made in one turn of its loop, with the same
     lane, caller and durability: one engine call. Each caller waits on a future of its own
     for its slice of the answer."""
 
-    __slots__ = ("caller", "durable", "keys", "lane", "links", "since", "texts", "ttl", "waiters")
+    __slots__ = ("caller", "durable", "keys", "lane", "links", "parts", "since", "texts", "ttl")
 
     def __init__(self, lane: str, caller: str, durable: bool, keyed: bool) -> None:
         self.lane, self.caller, self.durable = lane, caller, durable
@@ -456,7 +468,7 @@ class _Merged:
         self.ttl: dict[str, float] = {}
         self.links: list[list[str]] = []
         self.since: float | None = float("-inf")
-        self.waiters: list[tuple[asyncio.Future[Flown], int, int]] = []
+        self.parts: list[_Part] = []
 
     def add(
         self,
@@ -476,22 +488,27 @@ class _Merged:
             self.keys += keys
         for text, seconds in ttl_s.items():  # the first caller's, as if it computed alone
             self.ttl.setdefault(text, seconds)
-        self.links += [list(link) for link in links]
+        own = [list(link) for link in links]
+        self.links += own
         self.since = None if since is None or self.since is None else max(self.since, since)
         waiter: asyncio.Future[Flown] = asyncio.get_running_loop().create_future()
-        self.waiters.append((waiter, start, len(self.texts)))
+        self.parts.append(_Part(waiter, start, len(self.texts), ttl_s, since, own))
         return waiter
 
-    def answer(self, flown: Flown | BaseException) -> None:
-        for waiter, start, stop in self.waiters:
-            if waiter.done():  # its caller went away
-                continue
-            if isinstance(flown, asyncio.CancelledError):  # the worker is stopping
-                waiter.cancel()
-            elif isinstance(flown, BaseException):
-                waiter.set_exception(flown)
-            else:
-                waiter.set_result(Flown(flown.rows[start:stop], flown.coalesced[start:stop]))
+
+def _answer(part: _Part, outcome: Flown | BaseException, offset: int = 0) -> None:
+    """A caller's outcome: its slice of the call's rows (which begin at its text ``offset``
+    of the merged call), or the error."""
+    waiter = part.waiter
+    if waiter.done():  # its caller went away
+        return
+    if isinstance(outcome, asyncio.CancelledError):  # the worker is stopping
+        waiter.cancel()
+    elif isinstance(outcome, BaseException):
+        waiter.set_exception(outcome)
+    else:
+        start, stop = part.start - offset, part.stop - offset
+        waiter.set_result(Flown(outcome.rows[start:stop], outcome.coalesced[start:stop]))
 
 
 class RemoteEngine:
@@ -504,7 +521,9 @@ class RemoteEngine:
     finishes several requests' lookups in one turn (on the 2-core box 2.5-2.7 of them a call
     at 16 connections, and the engine's loop 24% less CPU a new text: docs/BENCHMARKS.md).
     A text in two of them is computed once (the later one coalesced, as across two calls);
-    each caller gets its own slice."""
+    each caller gets its own slice. A merged call that fails by what it held (``BatchError``:
+    the batcher ran it alone as one request) is sent again one caller's part at a time, so
+    that only the caller whose texts fail gets the error, as without merging."""
 
     def __init__(
         self,
@@ -569,30 +588,63 @@ class RemoteEngine:
     async def _call(self, group: tuple[str, str, bool, bool], merged: _Merged) -> None:
         if self._open.get(group) is merged:  # it holds every call of the turn it was opened in
             del self._open[group]
+        outcome: Flown | BaseException
         try:
-            tokens, blobs = self._token_ids(merged.texts)
-            started = time.perf_counter()
-            reply, frames = await self.client.call(
-                "embed",
-                blobs,
-                **tokens,
-                texts=merged.texts,
-                lane=merged.lane,
-                caller=merged.caller,
-                ttl=merged.ttl,
-                since=merged.since,
-                links=merged.links,
-                durable=merged.durable,
-                keys=merged.keys,
+            outcome = await self._send(
+                merged, merged.texts, merged.ttl, merged.since, merged.links, merged.keys
             )
-            if self._on_call is not None:
-                self._on_call(time.perf_counter() - started)
-            rows = frame_rows(frames[0], self.info.dim)
-            merged.answer(Flown(rows, [bool(c) for c in reply["coalesced"]]))
+        except BatchError as exc:  # failed by what it held: each caller's part alone (as
+            if len(merged.parts) > 1:  # the batcher does), only those whose texts fail fail
+                await asyncio.gather(*(self._alone(merged, part) for part in merged.parts))
+                return
+            outcome = exc
         except BaseException as exc:  # every caller gets the call's error
-            merged.answer(exc)
+            outcome = exc
+        for part in merged.parts:
+            _answer(part, outcome)
+        if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
+            raise outcome
+
+    async def _alone(self, merged: _Merged, part: _Part) -> None:
+        keys = None if merged.keys is None else merged.keys[part.start : part.stop]
+        texts = merged.texts[part.start : part.stop]
+        try:
+            outcome = await self._send(merged, texts, part.ttl, part.since, part.links, keys)
+        except BaseException as exc:
+            _answer(part, exc)
             if not isinstance(exc, Exception):
                 raise
+        else:
+            _answer(part, outcome, offset=part.start)
+
+    async def _send(
+        self,
+        merged: _Merged,
+        texts: list[str],
+        ttl: Mapping[str, float],
+        since: float | None,
+        links: list[list[str]],
+        keys: list[str] | None,
+    ) -> Flown:
+        """One engine call of ``merged``'s lane, caller and durability."""
+        tokens, blobs = self._token_ids(texts)
+        started = time.perf_counter()
+        reply, frames = await self.client.call(
+            "embed",
+            blobs,
+            **tokens,
+            texts=texts,
+            lane=merged.lane,
+            caller=merged.caller,
+            ttl=dict(ttl),
+            since=since,
+            links=links,
+            durable=merged.durable,
+            keys=keys,
+        )
+        if self._on_call is not None:
+            self._on_call(time.perf_counter() - started)
+        return Flown(frame_rows(frames[0], self.info.dim), [bool(c) for c in reply["coalesced"]])
 
     def health(self) -> EngineHealth:
         if not self.client.up:

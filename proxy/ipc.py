@@ -40,6 +40,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from engines.base import (
+    BatchError,
     DeadlineExceededError,
     EngineError,
     EngineUnavailableError,
@@ -83,6 +84,7 @@ ERRORS: dict[str, type[Exception]] = {
     "queue_full": QueueFullError,
     "deadline_exceeded": DeadlineExceededError,
     "engine_unavailable": EngineUnavailableError,
+    "batch_error": BatchError,  # failed by what it held: a worker's merged call splits
     "engine_error": EngineError,
     "not_found": NotFoundError,
     "invalid": ValueError,

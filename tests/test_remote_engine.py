@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engines.base import QueueFullError
+from engines.base import BatchError, QueueFullError
 from engines.fake import FakeEngine
 from proxy.board import Board
 from proxy.engine_host import MERGED_TEXTS, RemoteEngine, engine_handlers, open_engine_host
@@ -192,6 +192,41 @@ def test_the_engine_s_error_reaches_every_caller_of_the_merged_call() -> None:
 
     outcomes = asyncio.run(scenario())
     assert [type(o) for o in outcomes] == [QueueFullError, QueueFullError]
+
+
+def test_a_merged_call_failed_by_what_it_held_fails_only_the_caller_that_held_it() -> None:
+    """The batcher runs each request of a batch failed by its contents alone; a merged call is
+    one request there, so the worker sends each caller's part alone again, with its own
+    arguments, and only the part that holds the culprit fails."""
+
+    async def scenario() -> None:
+        rows = fake_rows(FakeEngine().dim)
+
+        async def poisoned(message: dict[str, Any]) -> tuple[dict[str, Any], list[bytes]]:
+            if any("POISON" in text for text in message["texts"]):
+                raise BatchError("this batch failed: fake engine asked to fail on 'POISON'")
+            return await rows(message)
+
+        engine, client = remote(poisoned)
+        outcomes = await asyncio.gather(
+            embed(engine, ["a", "b"], since=1.0, ttl_s={"a": 9.0}),
+            embed(engine, ["POISON c"], since=2.0),
+            embed(engine, ["d"], since=3.0, links=[("driver", "d9", "d")]),
+            return_exceptions=True,
+        )
+        good = [o for o in outcomes if not isinstance(o, BaseException)]
+        assert isinstance(outcomes[1], BatchError) and len(good) == 2
+        fake = FakeEngine()
+        np.testing.assert_array_equal(good[0].rows, np.stack([fake.vector(t) for t in "ab"]))
+        np.testing.assert_array_equal(good[1].rows, fake.vector("d")[None, :])
+        merged, *alone = client.calls
+        assert merged["texts"] == ["a", "b", "POISON c", "d"]
+        by_texts = {tuple(m["texts"]): m for m in alone}
+        assert sorted(by_texts) == [("POISON c",), ("a", "b"), ("d",)]
+        assert by_texts[("a", "b")]["since"] == 1.0 and by_texts[("a", "b")]["ttl"] == {"a": 9.0}
+        assert by_texts[("d",)]["links"] == [["driver", "d9", "d"]]
+
+    asyncio.run(scenario())
 
 
 @pytest.mark.parametrize("texts", [[], ["only"]])
