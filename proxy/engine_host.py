@@ -518,7 +518,7 @@ class RemoteEngine:
     ``embed`` calls made in one turn of the worker's loop go as one engine call (up to
     ``merged_texts`` texts; per lane, caller, durability and keys given or not): the engine
     process's loop pays for each call besides each text, and under load a worker's loop
-    finishes several requests' lookups in one turn (on the 2-core box 2.5-2.7 of them a call
+    finishes several requests' lookups in one turn (on the 2-core box 2.5-2.9 of them a call
     at 16 connections, and the engine's loop 24% less CPU a new text: docs/BENCHMARKS.md).
     A text in two of them is computed once (the later one coalesced, as across two calls);
     each caller gets its own slice. A merged call that fails by what it held (``BatchError``:
