@@ -443,15 +443,16 @@ MERGED_TEXTS = 256  # a worker's merged engine call holds at most this many text
 
 
 class _Part(NamedTuple):
-    """One caller's share of a merged call: its slice, and its own arguments (to send it
-    alone)."""
+    """One caller's share of a merged call: its texts (from ``start`` in the call) and its
+    own arguments."""
 
     waiter: asyncio.Future[Flown]
     start: int
-    stop: int
+    texts: Sequence[str]
+    keys: Sequence[str] | None
     ttl: Mapping[str, float]
     since: float | None
-    links: list[list[str]]
+    links: Sequence[tuple[str, str, str]]
 
 
 class _Merged:
@@ -459,16 +460,12 @@ class _Merged:
     lane, caller and durability: one engine call. Each caller waits on a future of its own
     for its slice of the answer."""
 
-    __slots__ = ("caller", "durable", "keys", "lane", "links", "parts", "since", "texts", "ttl")
+    __slots__ = ("caller", "durable", "lane", "parts", "size")
 
-    def __init__(self, lane: str, caller: str, durable: bool, keyed: bool) -> None:
+    def __init__(self, lane: str, caller: str, durable: bool) -> None:
         self.lane, self.caller, self.durable = lane, caller, durable
-        self.texts: list[str] = []
-        self.keys: list[str] | None = [] if keyed else None
-        self.ttl: dict[str, float] = {}
-        self.links: list[list[str]] = []
-        self.since: float | None = float("-inf")
         self.parts: list[_Part] = []
+        self.size = 0  # texts
 
     def add(
         self,
@@ -478,22 +475,30 @@ class _Merged:
         links: Sequence[tuple[str, str, str]],
         keys: Sequence[str] | None,
     ) -> asyncio.Future[Flown]:
-        """A caller's texts; the future of its slice of the answer. The merged call's
-        ``since`` is the latest of its callers' (None if one has none): a text written back
-        between two callers' lookups is computed again rather than joined by a caller whose
-        lookup began after it was written (and missed it: expired, dropped or failed)."""
-        start = len(self.texts)
-        self.texts += texts
-        if self.keys is not None and keys is not None:
-            self.keys += keys
-        for text, seconds in ttl_s.items():  # the first caller's, as if it computed alone
-            self.ttl.setdefault(text, seconds)
-        own = [list(link) for link in links]
-        self.links += own
-        self.since = None if since is None or self.since is None else max(self.since, since)
+        """A caller's texts; the future of its slice of the answer."""
         waiter: asyncio.Future[Flown] = asyncio.get_running_loop().create_future()
-        self.parts.append(_Part(waiter, start, len(self.texts), ttl_s, since, own))
+        self.parts.append(_Part(waiter, self.size, texts, keys, ttl_s, since, links))
+        self.size += len(texts)
         return waiter
+
+
+def _call_arguments(parts: Sequence[_Part]) -> dict[str, Any]:
+    """The engine call of ``parts``: their texts, keys and links one after the other; a
+    text's ttl its first caller's (as if it computed alone); ``since`` the latest of theirs
+    (None if one has none): a text written back between two callers' lookups is computed
+    again rather than joined by a caller whose lookup began after it was written (and
+    missed it: expired, dropped or failed)."""
+    ttl: dict[str, float] = {}
+    for part in reversed(parts):
+        ttl.update(part.ttl)
+    sinces = [part.since for part in parts]
+    return {
+        "texts": [text for part in parts for text in part.texts],
+        "keys": None if parts[0].keys is None else [k for p in parts for k in p.keys or ()],
+        "ttl": ttl,
+        "since": None if None in sinces else max(s for s in sinces if s is not None),
+        "links": [list(link) for part in parts for link in part.links],
+    }
 
 
 def _answer(part: _Part, outcome: Flown | BaseException, offset: int = 0) -> None:
@@ -507,7 +512,7 @@ def _answer(part: _Part, outcome: Flown | BaseException, offset: int = 0) -> Non
     elif isinstance(outcome, BaseException):
         waiter.set_exception(outcome)
     else:
-        start, stop = part.start - offset, part.stop - offset
+        start, stop = part.start - offset, part.start - offset + len(part.texts)
         waiter.set_result(Flown(outcome.rows[start:stop], outcome.coalesced[start:stop]))
 
 
@@ -578,8 +583,8 @@ class RemoteEngine:
     ) -> Flown:
         group = (lane, caller, durable, keys is not None)
         merged = self._open.get(group)
-        if merged is None or len(merged.texts) + len(texts) > self._merged_texts:
-            merged = self._open[group] = _Merged(lane, caller, durable, keys is not None)
+        if merged is None or merged.size + len(texts) > self._merged_texts:
+            merged = self._open[group] = _Merged(lane, caller, durable)
             task = asyncio.create_task(self._call(group, merged))  # it starts next turn
             self._calls.add(task)
             task.add_done_callback(self._calls.discard)
@@ -590,9 +595,7 @@ class RemoteEngine:
             del self._open[group]
         outcome: Flown | BaseException
         try:
-            outcome = await self._send(
-                merged, merged.texts, merged.ttl, merged.since, merged.links, merged.keys
-            )
+            outcome = await self._send(merged, merged.parts)
         except BatchError as exc:  # failed by what it held: each caller's part alone (as
             if len(merged.parts) > 1:  # the batcher does), only those whose texts fail fail
                 await asyncio.gather(*(self._alone(merged, part) for part in merged.parts))
@@ -606,10 +609,8 @@ class RemoteEngine:
             raise outcome
 
     async def _alone(self, merged: _Merged, part: _Part) -> None:
-        keys = None if merged.keys is None else merged.keys[part.start : part.stop]
-        texts = merged.texts[part.start : part.stop]
         try:
-            outcome = await self._send(merged, texts, part.ttl, part.since, part.links, keys)
+            outcome = await self._send(merged, [part])
         except BaseException as exc:
             _answer(part, exc)
             if not isinstance(exc, Exception):
@@ -617,30 +618,19 @@ class RemoteEngine:
         else:
             _answer(part, outcome, offset=part.start)
 
-    async def _send(
-        self,
-        merged: _Merged,
-        texts: list[str],
-        ttl: Mapping[str, float],
-        since: float | None,
-        links: list[list[str]],
-        keys: list[str] | None,
-    ) -> Flown:
-        """One engine call of ``merged``'s lane, caller and durability."""
-        tokens, blobs = self._token_ids(texts)
+    async def _send(self, merged: _Merged, parts: Sequence[_Part]) -> Flown:
+        """One engine call of ``parts`` of ``merged`` (its lane, caller and durability)."""
+        arguments = _call_arguments(parts)
+        tokens, blobs = self._token_ids(arguments["texts"])
         started = time.perf_counter()
         reply, frames = await self.client.call(
             "embed",
             blobs,
             **tokens,
-            texts=texts,
+            **arguments,
             lane=merged.lane,
             caller=merged.caller,
-            ttl=dict(ttl),
-            since=since,
-            links=links,
             durable=merged.durable,
-            keys=keys,
         )
         if self._on_call is not None:
             self._on_call(time.perf_counter() - started)
