@@ -49,9 +49,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 
 
-def serve(run_dir: str, store: str, writer: str = "thread") -> None:
+def serve(run_dir: str, store: str, writer: str = "thread", model: str | None = None) -> None:
     """The engine process (``--serve``): ``engine_main`` of whichever checkout is first on
-    PYTHONPATH, its fake engine free of cost and tokenizing like the torch engine."""
+    PYTHONPATH, its fake engine free of cost and tokenizing like the torch engine (with
+    ``model``'s tokenizer, default the packaged model's)."""
     import numpy as np
 
     from engines.fake import FakeEngine
@@ -59,7 +60,7 @@ def serve(run_dir: str, store: str, writer: str = "thread") -> None:
     from engines.torch_engine import default_model_path
     from proxy.processes import ChildSpec, engine_main
 
-    tokenizer = FastTokenizer(default_model_path(), 128)
+    tokenizer = FastTokenizer(Path(model) if model else default_model_path(), 128)
 
     def forward(self: FakeEngine, batch: Any) -> Any:
         return np.full((batch.size, self.dim), self.dim**-0.5, np.float32)
@@ -80,9 +81,12 @@ def client(
     out: Any,
     pin: bool = False,
     size: int = 32,
+    code: str = str(REPO),
 ) -> None:
     """One worker's engine calls: ``concurrency`` loops of ``size`` new texts until
-    ``seconds``."""
+    ``seconds``, through the ``RemoteEngine`` of ``code`` (the engine's own checkout: the
+    two speak its wire format)."""
+    sys.path.insert(0, code)
     if pin:
         os.sched_setaffinity(0, set(range(max(1, (os.cpu_count() or 2) - 1))))
     from cache.stores import MemoryByteStore
@@ -149,6 +153,7 @@ def round_of(code: Path, args: argparse.Namespace, tag: str) -> dict[str, float]
     env["HF_HUB_OFFLINE"] = "1"
     command = [sys.executable, __file__, "--serve", str(run_dir), "--store", args.store]
     command += ["--writer", args.writer]
+    command += ["--model", str(Path(args.model).resolve())] if args.model else []
     if args.pin:  # the engine process alone on the last core, the clients on the others
         command = ["taskset", "-c", str((os.cpu_count() or 2) - 1), *command]
     engine = subprocess.Popen(command, cwd=code, env=env)
@@ -173,6 +178,7 @@ def round_of(code: Path, args: argparse.Namespace, tag: str) -> dict[str, float]
                         results,
                         args.pin,
                         args.texts,
+                        str(code),
                     ),
                 )
                 for i in range(args.clients)
@@ -218,9 +224,10 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=5.0)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--pin", action="store_true", help="the engine on a core of its own")
+    parser.add_argument("--model", default=None, help="a model dir whose tokenizer.json to use")
     args = parser.parse_args()
     if args.serve:
-        serve(args.serve, args.store, args.writer)
+        serve(args.serve, args.store, args.writer, args.model)
         return
     codes = ([("before", Path(args.before).resolve())] if args.before else []) + [("this", REPO)]
     results: dict[str, list[dict[str, float]]] = {name: [] for name, _ in codes}

@@ -111,10 +111,11 @@ class _Flight:
     shared futures took two: its callback's, then the caller's), and a caller that goes away
     cancels only its own future."""
 
-    __slots__ = ("future", "keys", "row", "waiters", "written", "written_at")
+    __slots__ = ("at", "future", "keys", "row", "waiters", "written", "written_at")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.row: dict[str, int] = {}  # text -> its row in ``future``'s result, in that order
+        self.at: Sequence[int] = ()  # their places in the call that started it, in that order
         self.keys: list[str] = []  # their store keys, in that order, when the caller gave them
         self.future: asyncio.Future[Vectors] = loop.create_future()
         self.future.add_done_callback(_retrieve)
@@ -142,6 +143,16 @@ class _Flight:
             elif not waiter.done():  # cancelled: its caller went away
                 waiter.set_result(None)
         self.waiters = waiting
+
+
+def _own(texts: Sequence[str], flight: _Flight) -> list[str]:
+    """The texts ``flight`` computes, in its rows' order. Texts that carry more than their
+    strings (``engines.tokenization.TokenizedTexts``: their token ids, read-only) say which
+    of them with ``take``, so that what they carry reaches ``compute``; others by value."""
+    take = getattr(texts, "take", None)
+    if take is None or not isinstance(texts, list):
+        return list(flight.row)
+    return texts if len(flight.at) == len(texts) else take(flight.at)
 
 
 def _retrieve(fut: asyncio.Future[Vectors]) -> None:
@@ -220,11 +231,72 @@ class SingleFlight:
         if self._max_unwritten is not None:
             await self._room_for(texts, lane)
         loop = asyncio.get_running_loop()
-        inflight = self._inflight
-        flight: _Flight | None = None  # this call's own computation, if it needs one
-        waits: list[_Flight] = []  # each text's flight
+        flight = self._all_new(texts, keys, loop)  # this call's own computation, if it needs one
+        if flight is not None:
+            waits, coalesced = [flight] * len(texts), [False] * len(texts)
+        else:
+            flight, waits, coalesced = self._claim(texts, since, keys, loop)
+        joined = sum(coalesced)
+        if self._stats is not None and (joined or self._count_misses):
+            misses = len(coalesced) - joined if self._count_misses else 0
+            self._stats.record(caller, 0, joined, misses, self._per_item_ms() if joined else 0.0)
+        if flight is not None:
+            ttls = (
+                {t: ttl for t in flight.row if (ttl := ttl_s.get(t)) is not None} if ttl_s else {}
+            )
+            # its own texts' entities, and those of the caller's hits (their vectors are in
+            # the store): one transaction instead of the caller's own for the latter
+            asked = set(texts) if links else set()
+            linked = [link for link in links if link[2] in flight.row or link[2] not in asked]
+            task = loop.create_task(self._run(flight, _own(texts, flight), lane, ttls, linked))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        for owner in set(waits):  # each flight once
+            await owner.wait(durable)
+        if not waits:
+            return Flown(np.empty((0, self._dim), np.float32), [])
+        if not joined and flight is not None and len(flight.row) == len(waits):
+            return Flown(flight.future.result(), coalesced)  # all its own, in order
+        rows = [f.future.result()[f.row[t]] for f, t in zip(waits, texts, strict=True)]
+        return Flown(np.stack(rows), coalesced)
+
+    def _all_new(
+        self, texts: Sequence[str], keys: Sequence[str] | None, loop: asyncio.AbstractEventLoop
+    ) -> _Flight | None:
+        """One flight of all of ``texts`` when they are distinct and none is in flight or
+        just written (the usual call under new texts), its entries made in C loops rather
+        than ``_claim``'s Python step a text; else None."""
+        row = dict(zip(texts, range(len(texts)), strict=True))
+        if (
+            not row
+            or len(row) < len(texts)
+            or not self._inflight.keys().isdisjoint(row)
+            or not self._recent.keys().isdisjoint(row)
+            or not self._older.keys().isdisjoint(row)
+        ):
+            return None
+        flight = _Flight(loop)
+        flight.row, flight.at = row, range(len(texts))
+        if keys is not None:
+            flight.keys = list(keys)
+        self._inflight.update(dict.fromkeys(row, flight))
+        return flight
+
+    def _claim(
+        self,
+        texts: Sequence[str],
+        since: float | None,
+        keys: Sequence[str] | None,
+        loop: asyncio.AbstractEventLoop,
+    ) -> tuple[_Flight | None, list[_Flight], list[bool]]:
+        """Each text's flight: the one computing it, one that wrote it back after ``since``
+        (coalesced), or a new flight of the call's own (None if it needs none); and which
+        texts joined another (or came earlier in ``texts``)."""
+        inflight, recent, older = self._inflight, self._recent, self._older
+        flight: _Flight | None = None
+        waits: list[_Flight] = []
         coalesced: list[bool] = []
-        recent, older = self._recent, self._older
+        at: list[int] = []  # the flight's places in ``texts``
         joinable_after = float("inf") if since is None else since
         for i, text in enumerate(texts):
             owner = inflight.get(text)
@@ -238,32 +310,14 @@ class SingleFlight:
             if owner is None:
                 if flight is None:
                     flight = _Flight(loop)
+                    flight.at = at = []
                 owner = inflight[text] = flight
                 flight.row[text] = len(flight.row)
+                at.append(i)
                 if keys is not None:
                     flight.keys.append(keys[i])
             waits.append(owner)
-        joined = sum(coalesced)
-        if self._stats is not None and (joined or self._count_misses):
-            misses = len(coalesced) - joined if self._count_misses else 0
-            self._stats.record(caller, 0, joined, misses, self._per_item_ms() if joined else 0.0)
-        if flight is not None:
-            ttls = {t: ttl for t in flight.row if (ttl := (ttl_s or {}).get(t)) is not None}
-            # its own texts' entities, and those of the caller's hits (their vectors are in
-            # the store): one transaction instead of the caller's own for the latter
-            asked = set(texts) if links else set()
-            linked = [link for link in links if link[2] in flight.row or link[2] not in asked]
-            task = loop.create_task(self._run(flight, lane, ttls, linked))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-        for owner in set(waits):  # each flight once
-            await owner.wait(durable)
-        if not waits:
-            return Flown(np.empty((0, self._dim), np.float32), [])
-        if not joined and flight is not None and len(flight.row) == len(waits):
-            return Flown(flight.future.result(), coalesced)  # all its own, in order
-        rows = [f.future.result()[f.row[t]] for f, t in zip(waits, texts, strict=True)]
-        return Flown(np.stack(rows), coalesced)
+        return flight, waits, coalesced
 
     async def _room_for(self, texts: Sequence[str], lane: str) -> None:
         """Wait while too many computed rows wait for the store (see the module docstring),
@@ -277,8 +331,11 @@ class SingleFlight:
             self._written.clear()
             await self._written.wait()
 
-    async def _run(self, flight: _Flight, lane: str, ttl_s: Ttls, links: Links) -> None:
-        texts, fut = list(flight.row), flight.future
+    async def _run(
+        self, flight: _Flight, texts: list[str], lane: str, ttl_s: Ttls, links: Links
+    ) -> None:
+        """Compute ``texts`` (the flight's, in its rows' order) and write them back."""
+        fut = flight.future
         stored = False  # written back: then it stays joinable a little longer (``recent``)
         computed = 0  # rows waiting for the store (``unwritten``)
         try:
@@ -314,11 +371,10 @@ class SingleFlight:
             self.unwritten -= computed
             self._written.set()
             inflight, recent = self._inflight, self._recent
-            for text in texts:
-                if inflight.get(text) is flight:
-                    del inflight[text]
-                    if stored:
-                        recent[text] = flight
+            for text in texts:  # its own: no other flight takes a text while one holds it
+                del inflight[text]
+            if stored:
+                recent.update(dict.fromkeys(texts, flight))
             if len(recent) >= self._generation:
                 self._older, self._recent = recent, {}
             if self._on_settled is not None:

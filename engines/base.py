@@ -124,8 +124,8 @@ class Engine(ABC):
         return self.postprocess(self.forward(batch), batch)
 
     def tokenizer(self) -> FastTokenizer | None:
-        """The tokenizer whose ids this engine pads as they are when a text comes with them
-        (``engines.tokenization.Tokenized``); None: it tokenizes every text itself."""
+        """The tokenizer whose ids this engine pads as they are when texts come with them
+        (``engines.tokenization.TokenizedTexts``); None: it tokenizes every text itself."""
         return None
 
     def health(self) -> dict[str, Any]:

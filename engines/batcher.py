@@ -89,6 +89,7 @@ from engines.base import (
     TooLargeError,
     Vectors,
 )
+from engines.tokenization import TokenizedTexts
 
 logger = logging.getLogger(__name__)
 
@@ -379,9 +380,8 @@ class Batcher:
                 f"would exceed max_queue={self.max_queue}"
             )
         loop = asyncio.get_running_loop()
-        request = _Request(
-            list(texts), loop.create_future(), self.engine.dim, lane, deadline, tag, counted
-        )
+        own = texts if isinstance(texts, TokenizedTexts) else list(texts)  # ids kept (read-only)
+        request = _Request(own, loop.create_future(), self.engine.dim, lane, deadline, tag, counted)
         self._lanes[lane].append(request)
         self._queued += len(texts)
         self._lane_waiting[lane] += len(texts)
@@ -509,7 +509,8 @@ class Batcher:
 
     @staticmethod
     def _texts(batch: list[_Slice]) -> list[str]:
-        return [text for request, start, stop in batch for text in request.texts[start:stop]]
+        """The batch's texts, with their token ids where every request has them."""
+        return TokenizedTexts.join([request.texts[start:stop] for request, start, stop in batch])
 
     def _hand_off(self, batch: list[_Slice], ahead: bool = False) -> None:
         """Hand ``batch`` to the engine thread, or to the tokenizer thread on its way there

@@ -24,7 +24,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import asdict
-from itertools import chain, pairwise
+from itertools import chain, repeat
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -38,7 +38,7 @@ from engines.base import BatchError, Engine, EngineInfo
 from engines.batcher import Batcher, EngineHealth, deadline_after
 from engines.fallback import FallbackEngine
 from engines.registry import create_engine
-from engines.tokenization import FastTokenizer, Tokenized
+from engines.tokenization import FastTokenizer, TokenizedTexts
 from features.text import TEXT_SCHEMA_VERSION
 from proxy.board import Board
 from proxy.cores import usable_cores
@@ -182,6 +182,14 @@ class EngineHost:
         deadline = deadline_after(self._deadlines_ms[lane])
         return await self.batcher.submit(texts, lane, deadline, tag=_CALLER.get())
 
+    def _own_keys(self, keys: Sequence[str]) -> bool:
+        """Whether each of ``keys`` is a string of this engine's namespace (one C call a key:
+        ``str.startswith`` refuses any other type)."""
+        try:
+            return all(map(str.startswith, keys, repeat(self._key_prefix)))
+        except TypeError:
+            return False
+
     async def embed(
         self,
         texts: Sequence[str],
@@ -198,10 +206,7 @@ class EngineHost:
         caller in flight; ``coalesced`` marks the texts that joined another computation.
         ``since``, ``links``, ``durable``, ``keys``: as ``cache.flight.SingleFlight.embed``
         (keys of another namespace than this engine's are not used)."""
-        prefix = self._key_prefix
-        if keys is not None and (
-            len(keys) != len(texts) or not all(str(key).startswith(prefix) for key in keys)
-        ):
+        if keys is not None and (len(keys) != len(texts) or not self._own_keys(keys)):
             keys = None
         token = _CALLER.set(caller)
         try:
@@ -384,14 +389,15 @@ async def shared_tier(settings: Settings) -> AsyncIterator[TieredByteStore]:
 
 
 def tokenized(message: Msg, blobs: Frames, tokenizer: FastTokenizer | None) -> list[str]:
-    """An embed call's texts, each with its token ids when the worker sent ids of
-    ``tokenizer`` (``RemoteEngine._token_ids``); plain texts otherwise."""
+    """An embed call's texts, with their token ids when the worker sent ids of ``tokenizer``
+    (``RemoteEngine._token_ids``: a ``TokenizedTexts``, no object a text); plain otherwise."""
     texts: list[str] = message["texts"]
-    if not blobs or tokenizer is None or message.get("tokenizer") != tokenizer.digest:
+    if len(blobs) < 2 or tokenizer is None or message.get("tokenizer") != tokenizer.digest:
         return texts
-    flat = np.frombuffer(blobs[0].buffer, "<i4")
-    bounds = pairwise([0, *message["cuts"], len(flat)])  # slices: np.split costs 10x more
-    return [Tokenized(text, flat[a:b]) for text, (a, b) in zip(texts, bounds, strict=True)]
+    flat, bounds = np.frombuffer(blobs[0].buffer, "<i4"), np.frombuffer(blobs[1].buffer, "<i8")
+    if len(bounds) != len(texts) + 1 or bounds[0] != 0 or bounds[-1] != len(flat):
+        raise ValueError(f"token ids cut at {len(bounds)} bounds for {len(texts)} texts")
+    return TokenizedTexts(texts, flat, bounds)
 
 
 def engine_handlers(host: EngineHost, server: RpcServer) -> dict[str, Handler]:
@@ -552,8 +558,9 @@ class RemoteEngine:
 
     def _token_ids(self, texts: Sequence[str]) -> tuple[dict[str, Any], Blobs]:
         """The texts' token ids when the engine pads ids of a tokenizer this process has: one
-        int32 frame, cut at ``cuts`` (tokenizing here, on the worker's core, leaves the
-        engine process's one interpreter only the padding)."""
+        int32 frame of them all, and one int64 frame of where each text's begin (and the last
+        ends): tokenizing here, on the worker's core, leaves the engine process's one
+        interpreter only the padding."""
         wanted = self.facts().get("tokenizer")
         if not wanted or not texts:
             return {}, ()
@@ -564,10 +571,10 @@ class RemoteEngine:
                 return {}, ()  # another file by now: the engine tokenizes
             self._tokenizer = tokenizer
         ids = tokenizer.ids(texts)
-        lengths = np.fromiter(map(len, ids), np.int64, len(ids))
-        flat = np.fromiter(chain.from_iterable(ids), "<i4", int(lengths.sum()))
-        cuts = np.cumsum(lengths[:-1]).tolist()
-        return {"tokenizer": tokenizer.digest, "cuts": cuts}, [flat.data]
+        bounds = np.zeros(len(ids) + 1, "<i8")
+        np.cumsum(np.fromiter(map(len, ids), np.int64, len(ids)), out=bounds[1:])
+        flat = np.fromiter(chain.from_iterable(ids), "<i4", int(bounds[-1]))
+        return {"tokenizer": tokenizer.digest}, [flat.data, bounds.data]
 
     async def embed(
         self,

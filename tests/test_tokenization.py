@@ -1,8 +1,12 @@
 """``FastTokenizer``'s word cache gives exactly the ids of ``encode_batch`` (the model's own
 tokenizer), on the texts of real fleets and on random Unicode strings, and ids computed in one
-process (``Tokenized``) are padded in another exactly as if tokenized there."""
+process (``TokenizedTexts``) reach the padding of another, through the in-flight map and the
+batcher, exactly as if tokenized there."""
 
 from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -10,11 +14,13 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cache.flight import SingleFlight
 from engines import tokenization
-from engines.base import Engine
+from engines.base import Batch, Engine
+from engines.batcher import Batcher
 from engines.fake import FakeEngine
 from engines.fallback import FallbackEngine
-from engines.tokenization import FastTokenizer, Tokenized
+from engines.tokenization import FastTokenizer, TokenizedTexts
 from engines.torch_engine import default_model_path
 from features.synthetic import fleet_texts
 from proxy.engine_host import RemoteEngine, tokenized
@@ -90,19 +96,89 @@ def test_the_cache_stays_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     assert set(fresh._words or {}) == {"ok"}  # neither long one is kept
 
 
+def as_sent(fast: FastTokenizer, texts: list[str]) -> TokenizedTexts:
+    """``texts`` with their ids as a worker sends them: all in one int32 array, cut."""
+    ids = fast.ids(texts)
+    bounds = np.cumsum([0, *map(len, ids)])
+    return TokenizedTexts(texts, np.concatenate([np.asarray(i, np.int32) for i in ids]), bounds)
+
+
+def each_ids(texts: TokenizedTexts) -> list[list[int]]:
+    flat, counts = texts.ids()
+    return [part.tolist() for part in np.split(flat, np.cumsum(counts)[:-1])] if counts.size else []
+
+
+def same_batch(fast: FastTokenizer, got: Sequence[str], texts: list[str]) -> None:
+    a, b = fast.encode(got, BUCKETS, SEQ), fast.encode(texts, BUCKETS, SEQ)
+    assert np.array_equal(a.input_ids, b.input_ids)
+    assert np.array_equal(a.attention_mask, b.attention_mask)
+    assert a.lengths.tolist() == [len(ids) for ids in reference(fast, texts)]
+
+
 def test_ids_from_another_process_pad_like_the_texts(fast: FastTokenizer) -> None:
     texts = [*real_fleet()[:100], "tab\there"]
-    wire = [np.asarray(ids, dtype=np.int32) for ids in fast.ids(texts)]  # as a worker sends
-    tokenized = [Tokenized(t, ids) for t, ids in zip(texts, wire, strict=True)]
-    assert tokenized == texts and {tokenized[0]: 1}[texts[0]] == 1  # equal, hashed alike
-    mixed = tokenized[:50] + texts[50:]  # some pre-tokenized, some not
-    for batch in (tokenized, mixed):
-        got, want = fast.encode(batch, BUCKETS, SEQ), fast.encode(texts, BUCKETS, SEQ)
-        assert np.array_equal(got.input_ids, want.input_ids)
-        assert np.array_equal(got.attention_mask, want.attention_mask)
-        assert got.lengths.tolist() == [len(ids) for ids in reference(fast, texts)]
-        longest = max(len(ids) for ids in wire)
-        assert got.input_ids.shape == (128, tokenization.bucket_for(longest, SEQ))  # 101 texts
+    sent = as_sent(fast, texts)
+    assert sent == texts and {sent[0]: 1}[texts[0]] == 1  # plain texts to anyone else
+    assert each_ids(sent) == reference(fast, texts)
+    same_batch(fast, sent, texts)
+    longest = max(len(ids) for ids in reference(fast, texts))
+    assert fast.encode(sent, BUCKETS, SEQ).input_ids.shape == (
+        128,
+        tokenization.bucket_for(longest, SEQ),
+    )  # 101 texts
+    # slices, picks and joins keep each text's own ids
+    picks = [5, 3, 100, 3, 0]
+    for got, want in (
+        (sent[10:60], texts[10:60]),
+        (sent[60:], texts[60:]),
+        (sent[7:7], []),
+        (sent[::7], texts[::7]),
+        (sent.take(picks), [texts[i] for i in picks]),
+        (TokenizedTexts.join([sent[50:], sent[:50]]), texts[50:] + texts[:50]),
+    ):
+        assert isinstance(got, TokenizedTexts) and got == want
+        assert each_ids(got) == reference(fast, want)
+    mixed = TokenizedTexts.join([sent[:50], texts[50:]])  # a part without ids: none kept
+    assert not isinstance(mixed, TokenizedTexts) and mixed == texts
+    same_batch(fast, mixed, texts)
+    with pytest.raises(ValueError, match="bounds"):
+        TokenizedTexts(texts, sent.flat, sent.bounds[:-1])
+
+
+class Recorder(FakeEngine):
+    """Records the texts of each batch it tokenizes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokenized: list[Sequence[str]] = []
+
+    def tokenize(self, texts: Sequence[str]) -> Batch:
+        self.tokenized.append(texts)
+        return super().tokenize(texts)
+
+
+def test_ids_reach_the_engine_through_the_in_flight_map_and_the_batcher(
+    fast: FastTokenizer,
+) -> None:
+    """Two callers in one turn, one repeating a text of the other and one of its own: the
+    one batch the engine tokenizes holds each new text once, with its own ids."""
+    texts = real_fleet()[:40]
+    first, second = texts[:30], [texts[5], *texts[30:], texts[31]]
+
+    async def run() -> list[Sequence[str]]:
+        engine = Recorder()
+        async with Batcher(engine, max_batch_size=64, max_delay_ms=50.0) as batcher:
+            flight = SingleFlight(lambda t, lane: batcher.submit(t, lane), engine.dim)
+            calls = (
+                flight.embed(as_sent(fast, c), lane="dispatch", caller="d") for c in (first, second)
+            )
+            await asyncio.gather(*calls)
+        return engine.tokenized
+
+    batches = asyncio.run(run())
+    assert len(batches) == 1 and isinstance(batches[0], TokenizedTexts)
+    assert sorted(batches[0]) == sorted(texts)  # each new text once
+    assert each_ids(batches[0]) == reference(fast, list(batches[0]))
 
 
 def test_digest_names_the_file_and_the_truncation() -> None:
@@ -141,8 +217,8 @@ def test_a_worker_sends_ids_the_engine_process_takes_as_they_are(fast: FastToken
     remote = RemoteEngine(Client(fast), FakeEngine().info)  # type: ignore[arg-type]
     message, frames = on_the_wire(remote, texts)
     got = tokenized(message, frames, fast)
-    assert got == texts and all(isinstance(t, Tokenized) for t in got)
-    assert [list(t.ids) for t in got if isinstance(t, Tokenized)] == reference(fast, texts)
+    assert isinstance(got, TokenizedTexts) and got == texts
+    assert each_ids(got) == reference(fast, texts)
 
 
 def test_no_ids_for_an_engine_without_the_same_tokenizer(fast: FastTokenizer) -> None:
@@ -151,8 +227,8 @@ def test_no_ids_for_an_engine_without_the_same_tokenizer(fast: FastTokenizer) ->
     assert remote._token_ids(texts) == ({}, ())  # an engine that tokenizes itself (fake)
     message, frames = on_the_wire(RemoteEngine(Client(fast), FakeEngine().info), texts)  # type: ignore[arg-type]
     other = FastTokenizer(default_model_path(), 128)  # another truncation: other ids
-    assert not any(isinstance(t, Tokenized) for t in tokenized(message, frames, other))
-    assert not any(isinstance(t, Tokenized) for t in tokenized(message, frames, None))
+    assert not isinstance(tokenized(message, frames, other), TokenizedTexts)
+    assert not isinstance(tokenized(message, frames, None), TokenizedTexts)
 
 
 class WithTokenizer(FakeEngine):
