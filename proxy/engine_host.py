@@ -165,6 +165,7 @@ class EngineHost:
             per_item_ms=lambda: batcher.per_item_ms,
             on_settled=self.publish,  # the in-flight gauge, once written back
             max_unwritten=settings.max_unwritten if writer is not None else None,
+            own_rows=True,  # each request's rows are its own (``Batcher.submit``)
         )
 
     def _queue_wait(self, lane: str, seconds: float) -> None:

@@ -206,6 +206,28 @@ def test_the_write_back_stores_each_text_under_the_key_its_caller_hashed() -> No
     assert asyncio.run(miscounted()) == 0  # nothing left in flight that nobody computes
 
 
+def test_rows_shared_by_coalesced_callers_are_read_only_and_copied_unless_handed_over() -> None:
+    """Callers coalesced on one computation share its rows: read-only. A compute that keeps
+    its arrays (the default) gets a copy made, so it may still write them; one that hands
+    them over (``own_rows``, the batcher's) has them kept as they are."""
+    kept: list[np.ndarray] = []
+
+    async def compute(texts: Sequence[str], lane: str) -> np.ndarray:
+        kept.append(np.stack([vec(t) for t in texts]))
+        return kept[-1]
+
+    async def rows(own_rows: bool) -> np.ndarray:
+        flight = SingleFlight(compute, DIM, own_rows=own_rows)
+        return (await flight.embed(["a", "b"], lane="dispatch", caller="c")).rows
+
+    copied = asyncio.run(rows(False))
+    assert copied is not kept[-1] and kept[-1].flags.writeable and not copied.flags.writeable
+    kept[-1][:] = 0.0  # the compute's own array: the callers' rows do not change
+    assert np.array_equal(copied, np.stack([vec("a"), vec("b")]))
+    handed = asyncio.run(rows(True))
+    assert handed is kept[-1] and not handed.flags.writeable
+
+
 def test_texts_just_written_back_stay_joinable_for_a_lookup_that_began_before() -> None:
     """A caller whose store lookup began before a text's write-back landed (``since``)
     joins it as coalesced instead of computing it again; one whose lookup began after
