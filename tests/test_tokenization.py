@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from cache.flight import SingleFlight
 from engines import tokenization
-from engines.base import Batch, Engine
+from engines.base import Batch, Engine, Vectors
 from engines.batcher import Batcher
 from engines.fake import FakeEngine
 from engines.fallback import FallbackEngine
@@ -251,3 +251,29 @@ def test_a_fallback_engine_takes_ids_only_when_both_engines_agree(fast: FastToke
     assert pair(WithTokenizer(fast), WithTokenizer(FastTokenizer(default_model_path(), 256)))
     assert pair(WithTokenizer(fast), WithTokenizer(other)) is None
     assert pair(WithTokenizer(None), None) is None
+
+
+@pytest.mark.model
+def test_the_torch_engine_embeds_texts_with_ids_as_it_embeds_them_plain() -> None:
+    """The fixed-shape path (the GPU's, eager on the CPU here) cuts a batch into chunks of
+    its largest bucket and the batcher into groups within the token budget: every slice
+    keeps its own texts' ids, so the vectors equal those of the plain texts."""
+    from engines.torch_engine import TorchEngine
+
+    texts = [*real_fleet()[:18], "long " * 400, "van"]  # chunks of 8; one text over budget
+    engine = TorchEngine(static_shapes=True, batch_buckets=(1, 8), seq_buckets=(16, 64))
+    engine.load()
+    tokenizer = engine.tokenizer()
+    assert tokenizer is not None
+    sent = as_sent(tokenizer, texts)
+    plain = engine.embed(texts)
+    assert np.allclose(engine.embed(sent), plain, atol=1e-6)
+    other = as_sent(tokenizer, texts[::-1])  # the ids, not the strings, are what it runs
+    assert np.allclose(engine.embed(TokenizedTexts(texts, other.flat, other.bounds)), plain[::-1])
+
+    async def batched() -> Vectors:
+        async with Batcher(engine, max_batch_size=64, max_batch_tokens=600) as batcher:
+            parts = await asyncio.gather(batcher.submit(sent[:10]), batcher.submit(sent[10:]))
+        return np.concatenate(parts)
+
+    assert np.allclose(asyncio.run(batched()), plain, atol=1e-5)
