@@ -376,7 +376,7 @@ class SingleFlight:
             self._written.set()
             inflight, recent = self._inflight, self._recent
             for text in texts:  # its own: no other flight takes a text while one holds it
-                del inflight[text]
+                inflight.pop(text, None)
             if stored:
                 recent.update(dict.fromkeys(texts, flight))
             if len(recent) >= self._generation:
