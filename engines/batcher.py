@@ -89,7 +89,7 @@ from engines.base import (
     TooLargeError,
     Vectors,
 )
-from engines.tokenization import TokenizedTexts
+from engines.tokenization import TokenizedTexts, owned
 
 logger = logging.getLogger(__name__)
 
@@ -380,8 +380,9 @@ class Batcher:
                 f"would exceed max_queue={self.max_queue}"
             )
         loop = asyncio.get_running_loop()
-        own = texts if isinstance(texts, TokenizedTexts) else list(texts)  # ids kept (read-only)
-        request = _Request(own, loop.create_future(), self.engine.dim, lane, deadline, tag, counted)
+        request = _Request(
+            owned(texts), loop.create_future(), self.engine.dim, lane, deadline, tag, counted
+        )
         self._lanes[lane].append(request)
         self._queued += len(texts)
         self._lane_waiting[lane] += len(texts)

@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from engines.base import Batch, BatchError, Engine, EngineError, EngineUnavailableError, Vectors
-from engines.tokenization import FastTokenizer, TokenizedTexts
+from engines.tokenization import FastTokenizer, owned
 
 logger = logging.getLogger(__name__)
 
@@ -168,8 +168,7 @@ class FallbackEngine(Engine):
         """Tokenized by the engine expected to run it; the other one tokenizes again."""
         engine = self.primary if self._use_primary() or self.fallback is None else self.fallback
         inner = engine.tokenize(texts)
-        kept = texts if isinstance(texts, TokenizedTexts) else list(texts)  # ids for the other
-        data = {"engine": engine, "batch": inner, "texts": kept}
+        data = {"engine": engine, "batch": inner, "texts": owned(texts)}  # ids for the other
         return Batch(inner.size, inner.tokens, data, inner.seq_lengths)
 
     def forward(self, batch: Batch) -> Vectors:

@@ -95,6 +95,20 @@ class Tokens:
     lengths: IntArray  # (size,) real length of each text
 
 
+def _bounds(counts: IntArray) -> IntArray:
+    """Where each of ``len(counts)`` runs begins in their concatenation, and where the last
+    ends (``len(counts) + 1`` offsets from 0)."""
+    bounds = np.zeros(len(counts) + 1, dtype="<i8")
+    np.cumsum(counts, out=bounds[1:])
+    return bounds
+
+
+def owned(texts: Sequence[str]) -> list[str]:
+    """``texts`` as a list to keep: ``TokenizedTexts`` as they are (read-only, their ids
+    with them), any other sequence copied."""
+    return texts if isinstance(texts, TokenizedTexts) else list(texts)
+
+
 class TokenizedTexts(list[str]):
     """Plain texts with their token ids (from a ``FastTokenizer`` of the same ``digest``):
     text ``i``'s ids are ``flat[bounds[i]:bounds[i + 1]]``. A list of its texts to anyone who
@@ -121,12 +135,17 @@ class TokenizedTexts(list[str]):
         stop = max(start, stop)
         return TokenizedTexts(super().__getitem__(index), self.flat, self.bounds[start : stop + 1])
 
+    @classmethod
+    def of(cls, texts: Sequence[str], ids: Sequence[Ids]) -> TokenizedTexts:
+        """``texts`` with ``ids[i]`` the ids of text ``i`` (as a worker sends them)."""
+        bounds = _bounds(np.fromiter(map(len, ids), np.int64, len(ids)))
+        return cls(texts, np.fromiter(chain.from_iterable(ids), "<i4", int(bounds[-1])), bounds)
+
     def take(self, positions: Sequence[int]) -> TokenizedTexts:
         """The texts at ``positions``, in that order, with their ids (copied together)."""
         at = np.asarray(positions, dtype=np.int64)
         starts, lengths = self.bounds[at], np.diff(self.bounds)[at]
-        bounds = np.zeros(len(at) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=bounds[1:])
+        bounds = _bounds(lengths)
         # each kept id's place in ``flat``: its text's start, plus its rank within the text
         index = np.repeat(starts - bounds[:-1], lengths) + np.arange(bounds[-1])
         get = super().__getitem__
@@ -144,8 +163,7 @@ class TokenizedTexts(list[str]):
         if not parts or not all(isinstance(part, TokenizedTexts) for part in parts):
             return texts
         ids = [part.ids() for part in parts if isinstance(part, TokenizedTexts)]
-        bounds = np.zeros(len(texts) + 1, dtype=np.int64)
-        np.cumsum(np.concatenate([counts for _, counts in ids]), out=bounds[1:])
+        bounds = _bounds(np.concatenate([counts for _, counts in ids]))
         return TokenizedTexts(texts, np.concatenate([flat for flat, _ in ids]), bounds)
 
 

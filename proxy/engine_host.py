@@ -24,7 +24,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import asdict
-from itertools import chain, repeat
+from itertools import repeat
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -571,11 +571,8 @@ class RemoteEngine:
             if tokenizer.digest != wanted["digest"]:
                 return {}, ()  # another file by now: the engine tokenizes
             self._tokenizer = tokenizer
-        ids = tokenizer.ids(texts)
-        bounds = np.zeros(len(ids) + 1, "<i8")
-        np.cumsum(np.fromiter(map(len, ids), np.int64, len(ids)), out=bounds[1:])
-        flat = np.fromiter(chain.from_iterable(ids), "<i4", int(bounds[-1]))
-        return {"tokenizer": tokenizer.digest}, [flat.data, bounds.data]
+        sent = TokenizedTexts.of(texts, tokenizer.ids(texts))
+        return {"tokenizer": tokenizer.digest}, [sent.flat.data, sent.bounds.data]
 
     async def embed(
         self,

@@ -98,9 +98,7 @@ def test_the_cache_stays_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def as_sent(fast: FastTokenizer, texts: list[str]) -> TokenizedTexts:
     """``texts`` with their ids as a worker sends them: all in one int32 array, cut."""
-    ids = fast.ids(texts)
-    bounds = np.cumsum([0, *map(len, ids)])
-    return TokenizedTexts(texts, np.concatenate([np.asarray(i, np.int32) for i in ids]), bounds)
+    return TokenizedTexts.of(texts, fast.ids(texts))
 
 
 def each_ids(texts: TokenizedTexts) -> list[list[int]]:
