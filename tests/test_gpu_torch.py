@@ -85,3 +85,23 @@ def test_eager_bucketed_path_matches_graphs(engine: TorchEngine) -> None:
         assert np.sum(eager.embed(TEXTS) * engine.embed(TEXTS), axis=1).min() >= 0.9999
     finally:
         eager.close()
+
+
+def test_a_device_child_replays_the_same_graphs(engine: TorchEngine) -> None:
+    """``FLEETCACHE_DEVICE_PROCESS`` (auto on CUDA): the engine in a child of its own gives
+    the in-process engine's vectors, from the texts or from the ids a worker sends."""
+    from engines.tokenization import TokenizedTexts
+    from proxy.device_process import DeviceProcessEngine
+
+    options = {"model_path": model_path(), "device": "cuda", "fp16": engine.fp16, **BUCKETS}
+    child = DeviceProcessEngine("torch", options)
+    child.load()
+    try:
+        assert child.info == engine.info and child.pid is not None
+        fast = child.tokenizer()
+        assert fast is not None and fast.digest == engine.tokenizer().digest
+        np.testing.assert_array_equal(child.embed(TEXTS), engine.embed(TEXTS))
+        sent = TokenizedTexts.of(TEXTS, fast.ids(TEXTS))
+        np.testing.assert_array_equal(child.embed(sent), engine.embed(TEXTS))
+    finally:
+        child.close()

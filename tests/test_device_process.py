@@ -1,0 +1,152 @@
+"""The engine's device work in a child process (``proxy.device_process``): the same vectors as
+the engine in process, the ids a worker sent are what runs, and a child that dies fails only
+the batch it held while another is started."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from engines.base import EngineError, EngineUnavailableError, Vectors
+from engines.batcher import Batcher
+from engines.fake import FakeEngine
+from engines.tokenization import TokenizedTexts
+from proxy.device_process import DeviceProcessEngine, use_device_process
+from proxy.engine_host import build_engine
+from proxy.settings import Settings
+from tests.test_tokenization import as_sent, real_fleet
+
+TEXTS = [f"driver {i} | van | lisbon" for i in range(300)]
+
+
+def wait_until(check: Callable[[], bool], seconds: float = 60.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, f"not within {seconds:g} s"
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def fake() -> Iterator[DeviceProcessEngine]:
+    engine = DeviceProcessEngine("fake", {"device": "cpu", "fail_on": "poison"})
+    engine.load()
+    yield engine
+    engine.close()
+
+
+def test_auto_runs_the_device_in_a_child_on_a_gpu_only() -> None:
+    assert use_device_process("auto", "cuda:0") and use_device_process("on", "cpu")
+    assert not use_device_process("auto", "cpu") and not use_device_process("off", "cuda")
+    on = Settings(engine="fake", device_process="on")
+    assert isinstance(build_engine(on).primary, DeviceProcessEngine)
+    assert isinstance(build_engine(Settings(engine="fake")).primary, FakeEngine)  # on a CPU
+
+
+def test_a_device_child_embeds_as_the_engine_in_process(fake: DeviceProcessEngine) -> None:
+    local = FakeEngine(device="cpu")
+    assert fake.info == local.info and fake.pid not in (None, os.getpid())
+    assert np.array_equal(fake.embed(TEXTS), local.embed(TEXTS))
+    assert fake.embed([]).shape == (0, local.dim)
+    with pytest.raises(EngineError, match="poison") as failed:  # the batch's own error
+        fake.embed(["ok", "poison pill"])
+    assert type(failed.value) is EngineError
+    assert np.array_equal(fake.embed(TEXTS[:2]), local.embed(TEXTS[:2]))  # the child lives on
+    assert fake.starts == 1
+
+
+def test_a_killed_device_child_fails_its_batch_and_another_serves() -> None:
+    engine = DeviceProcessEngine("fake", {"device": "cpu", "delay_s": 1.0})
+    engine.load()
+    try:
+        first = engine.pid
+        assert first is not None
+        outcome: list[BaseException] = []
+
+        def held() -> None:
+            try:
+                engine.embed(TEXTS[:4])
+            except BaseException as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=held)
+        thread.start()
+        time.sleep(0.3)  # the batch is in the child's forward
+        os.kill(first, signal.SIGKILL)
+        thread.join(10)
+        assert len(outcome) == 1 and isinstance(outcome[0], EngineUnavailableError)
+        started = time.monotonic()
+        with pytest.raises(EngineUnavailableError):  # at once while the next one starts
+            engine.embed(TEXTS[:1])
+        assert time.monotonic() - started < 0.5
+        assert not engine.health()["ok"]
+        wait_until(lambda: engine.health()["ok"])
+        assert engine.pid not in (None, first) and engine.starts == 2
+        assert np.array_equal(engine.embed(TEXTS[:3]), FakeEngine().embed(TEXTS[:3]))
+    finally:
+        engine.close()
+    assert engine.pid is None
+    with pytest.raises(EngineError, match="closed"):
+        engine.embed(TEXTS[:1])
+
+
+def test_the_fallback_serves_while_the_device_child_is_replaced() -> None:
+    """Through the engine process's own stack: FallbackEngine over the child, the batcher."""
+    settings = Settings(engine="fake", device_process="on", fallback_engine="fake")
+    engine = build_engine(settings)
+    engine.load()
+
+    async def run() -> None:
+        async with Batcher(engine, max_batch_size=64) as batcher:
+            assert np.array_equal(await batcher.submit(TEXTS), FakeEngine().embed(TEXTS))
+            child = engine.primary.pid
+            assert child is not None
+            os.kill(child, signal.SIGKILL)
+            await asyncio.sleep(0.2)
+            rows = await batcher.submit(TEXTS[:40])  # the fallback's, same fingerprint
+            assert np.array_equal(rows, FakeEngine().embed(TEXTS[:40]))
+            assert engine.health()["serving"] == "fallback"
+            await asyncio.to_thread(wait_until, lambda: engine.health()["serving"] == "primary")
+            assert engine.primary.pid not in (None, child)
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine.close()
+
+
+@pytest.mark.model
+def test_the_torch_engine_in_a_device_child_runs_the_ids_it_is_sent() -> None:
+    """The fixed-shape path (the GPU's; eager on the CPU here) in a child: texts with a
+    worker's ids embed as plain texts do, the ids are what the child runs (swapped ids give
+    the swapped vectors), and the batcher's token-budget groups keep each text's ids."""
+    options = {"device": "cpu", "static_shapes": True, "batch_buckets": (1, 8)}
+    options["seq_buckets"] = (16, 64)
+    engine = DeviceProcessEngine("torch", options)
+    engine.load()
+    try:
+        tokenizer = engine.tokenizer()
+        assert tokenizer is not None  # the child's file: workers send ids of the same digest
+        texts = [*real_fleet()[:18], "long " * 400, "van"]
+        plain = engine.embed(texts)  # tokenized in this process, run in the child
+        sent = as_sent(tokenizer, texts)
+        assert np.allclose(engine.embed(sent), plain, atol=1e-6)
+        other = as_sent(tokenizer, texts[::-1])
+        swapped = TokenizedTexts(texts, other.flat, other.bounds)
+        assert np.allclose(engine.embed(swapped), plain[::-1], atol=1e-6)
+        assert engine.tokenize(sent[:4]).seq_lengths is not None
+
+        async def batched() -> Vectors:
+            async with Batcher(engine, max_batch_size=64, max_batch_tokens=600) as batcher:
+                parts = await asyncio.gather(batcher.submit(sent[:10]), batcher.submit(sent[10:]))
+            return np.concatenate(parts)
+
+        assert np.allclose(asyncio.run(batched()), plain, atol=1e-5)
+    finally:
+        engine.close()
