@@ -8,18 +8,22 @@ waiting for the GIL it shares with the batcher's threads, which pad, pin, copy a
 each batch in short stretches of Python between GIL-free calls (docs/BENCHMARKS.md,
 2026-12-03 13:12 UTC: about 44% of the loop's samples sat in ZeroMQ's send and receive,
 taking the GIL back). Here the model, its tokenizer's padding, the pinned buffers and the
-CUDA graphs live in a device child; the batcher's engine thread hands it a batch's texts
-with their token ids (three frames) and waits, without the GIL, for the rows (one raw
-float32 frame)::
+CUDA graphs live in a device child. A batch goes to it as soon as the batcher tokenizes it
+(its texts and their token ids, raw frames), so the child pads and pins the next batch while
+the device runs this one; the batcher's engine thread then waits, without the GIL, for the
+rows of its batch (one raw float32 frame)::
 
     engine process                                   device child (device_main)
-      Batcher engine thread                            create_engine(kind, options),
-        DeviceProcessEngine.forward -- texts, ids -->    load, warm up; per batch:
-                                    <-- rows or error --  tokenize (pad), forward, postprocess
+      Batcher tokenizer thread                         create_engine(kind, options),
+        DeviceProcessEngine.tokenize -- seq, texts, ids -->  load, warm up
+      Batcher engine thread                              its thread: tokenize (pad, pin)
+        DeviceProcessEngine.forward  <-- seq, rows | error --  main: forward, postprocess
 
-``tokenize`` stays in the engine process (the ids a worker sent are kept as they are; other
-texts are tokenized there with the same tokenizer file, in Rust without the GIL), so the
-batcher's token budget sees each text's padded length as before.
+Tokenization proper stays in the engine process (the ids a worker sent are kept as they are;
+other texts are tokenized there with the same tokenizer file, in Rust without the GIL), so
+the batcher's token budget sees each text's padded length as before. Answers come in the
+order sent; whoever waits files those of other batches by their sequence number (a batch
+the batcher dropped after sending it is computed and its answer forgotten).
 
 A child that dies (a crashed driver, the OOM killer, kill -9) fails the batch it held with
 ``EngineUnavailableError``; another child is started at once in the background and, until it
@@ -31,16 +35,18 @@ The child dies with the engine process (PDEATHSIG).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
+import queue
 import secrets
 import threading
 from collections.abc import Sequence
 from dataclasses import asdict
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -63,6 +69,7 @@ log = logging.getLogger("fleetcache.engine")
 START_TIMEOUT_S = 900.0  # loading a model and capturing its CUDA graphs
 BATCH_TIMEOUT_S = 120.0  # a batch unanswered this long: the device hangs, the child is killed
 _POLL_MS = 500  # how often a wait checks that the child is alive
+_KEPT_ANSWERS = 16  # answers filed for batches nobody waits for yet (the batcher sends 2 ahead)
 _ERRORS: dict[str, type[EngineError]] = {
     "BatchError": BatchError,
     "EngineUnavailableError": EngineUnavailableError,
@@ -72,6 +79,13 @@ _ERRORS: dict[str, type[EngineError]] = {
 def use_device_process(setting: str, device: str) -> bool:
     """``FLEETCACHE_DEVICE_PROCESS``: ``on`` | ``off`` | ``auto`` (on for a CUDA device)."""
     return setting == "on" or (setting == "auto" and device.startswith("cuda"))
+
+
+class _Child(NamedTuple):
+    process: BaseProcess
+    to: zmq.Socket[bytes]  # batches to the child (senders, under _send_lock)
+    back: zmq.Socket[bytes]  # its answers (readers, under _read_lock)
+    generation: int  # its start's count: a ticket of an earlier child is never answered
 
 
 class DeviceProcessEngine(Engine):
@@ -93,11 +107,16 @@ class DeviceProcessEngine(Engine):
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         self.starts = 0  # children started (a restart after a death counts one more)
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._process: BaseProcess | None = None
-        self._socket: zmq.Socket[bytes] | None = None
+        self._child: _Child | None = None
         self._fast: FastTokenizer | None = None
         self._seq_buckets: tuple[int, ...] | None = None
-        self._lock = threading.Lock()  # one batch at a time on the socket (engine thread, probes)
+        # Lock order: _read_lock, then _send_lock. Batches are sent by whoever tokenizes them
+        # (the batcher's tokenizer thread, ahead of the forward); one reader at a time files
+        # every answer that comes by its ticket, for the thread that waits for it.
+        self._send_lock = threading.Lock()
+        self._read_lock = threading.Lock()
+        self._sent = 0
+        self._answers: dict[tuple[int, int], list[zmq.Frame]] = {}
         self._keeper: threading.Thread | None = None
         self._wanted = threading.Event()  # the keeper should start a child
         self._started = threading.Event()  # the keeper's last attempt is over
@@ -114,7 +133,7 @@ class DeviceProcessEngine(Engine):
         self._started.clear()
         self._wanted.set()
         self._started.wait()
-        if self._socket is None:
+        if self._child is None:
             raise EngineUnavailableError(self._down or "the device process did not start")
 
     def warmup(self) -> None:
@@ -128,47 +147,53 @@ class DeviceProcessEngine(Engine):
             self._wanted.clear()
             if self._closed:
                 return
-            if self._socket is None:
+            if self._child is None:
                 try:
                     self._install(*self._start())
-                except Exception as exc:  # the next batch or probe asks again (_live)
-                    with self._lock:
-                        self._down = f"the device process did not start: {exc}"
+                except Exception as exc:  # the next batch or probe asks again
+                    self._down = f"the device process did not start: {exc}"
                     log.error("%s", self._down)
             self._started.set()
 
-    def _start(self) -> tuple[BaseProcess, zmq.Socket[bytes], dict[str, Any]]:
-        """A child and the socket to it, once it has loaded and warmed its engine (what it
+    def _start(self) -> tuple[BaseProcess, zmq.Socket[bytes], zmq.Socket[bytes], dict[str, Any]]:
+        """A child and the sockets to it, once it has loaded and warmed its engine (what it
         says then, its engine's identity among it)."""
-        address = f"ipc://@fleetcache-device-{os.getpid()}-{secrets.token_hex(4)}"
-        socket = self._context.socket(zmq.PAIR)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.bind(address)
+        name = f"ipc://@fleetcache-device-{os.getpid()}-{secrets.token_hex(4)}"
+        to, back = self._context.socket(zmq.PAIR), self._context.socket(zmq.PAIR)
+        for socket, suffix in ((to, "-to"), (back, "-back")):
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.bind(name + suffix)
         context = multiprocessing.get_context("spawn")
-        args = (self.kind, self.options, address, self.log_level)
+        args = (self.kind, self.options, name, self.log_level)
         process = context.Process(
             target=device_main, args=args, name="fleetcache-device", daemon=True
         )
         process.start()
         self.starts += 1
         try:
-            frames = _receive(socket, process, self.start_timeout_s)
+            frames = _receive(back, process, self.start_timeout_s)
             ready = msgspec.msgpack.decode(frames[0].buffer)
             if "error" in ready:
                 raise _ERRORS.get(ready["type"], EngineUnavailableError)(ready["error"])
         except BaseException:
             _stop(process)
-            socket.close()
+            to.close()
+            back.close()
             raise
-        return process, socket, ready
+        return process, to, back, ready
 
     def _install(
-        self, process: BaseProcess, socket: zmq.Socket[bytes], ready: dict[str, Any]
+        self,
+        process: BaseProcess,
+        to: zmq.Socket[bytes],
+        back: zmq.Socket[bytes],
+        ready: dict[str, Any],
     ) -> None:
-        with self._lock:
+        with self._read_lock, self._send_lock:
             if self._closed:
                 _stop(process)
-                socket.close()
+                to.close()
+                back.close()
                 return
             self.info = EngineInfo(**ready["info"])
             if ready["tokenizer"] is not None and self._fast is None:
@@ -176,48 +201,37 @@ class DeviceProcessEngine(Engine):
                 self._fast = FastTokenizer(Path(path), max_seq_length)
             buckets = ready["seq_buckets"]
             self._seq_buckets = tuple(buckets) if buckets else None
-            self._process, self._socket, self._down = process, socket, None
+            self._child, self._down = _Child(process, to, back, self.starts), None
         log.info("device process %d serving %s on %s", process.pid, self.kind, self.info.device)
 
     def _lost(self, reason: str) -> None:
-        """Under ``_lock``: the child died or hangs; stopped, and the keeper asked for
-        another (batches fail at once meanwhile)."""
-        process, socket = self._process, self._socket
-        self._process = self._socket = None
-        self._down = reason
-        if process is not None:
-            _stop(process)
-        if socket is not None:
-            socket.close()
-        log.warning("%s; starting another device process", reason)
+        """Under ``_read_lock``: the child died or hangs; stopped, and the keeper asked for
+        another (batches fail at once meanwhile, those sent to this one included)."""
+        with self._send_lock:
+            child, self._child = self._child, None
+            self._down = reason
+            self._answers.clear()
+        if child is not None:
+            _stop(child.process)
+            child.to.close()
+            child.back.close()
+            log.warning("%s; starting another device process", reason)
         self._wanted.set()
 
-    def _live(self) -> tuple[BaseProcess, zmq.Socket[bytes]]:
-        """Under ``_lock``: the live child, or ``EngineUnavailableError`` at once (another
-        on its way)."""
-        if self._closed:
-            raise EngineError("the engine is closed")
-        if self._process is not None and self._process.exitcode is not None:
-            self._lost(f"the device process exited ({self._process.exitcode})")
-        if self._process is None or self._socket is None:
-            self._wanted.set()  # the keeper starts one, unless it is starting one now
-            raise EngineUnavailableError(self._down or "the device process is starting")
-        return self._process, self._socket
-
     def close(self) -> None:
-        with self._lock:
+        with self._read_lock, self._send_lock:
             self._closed = True
-            process, socket = self._process, self._socket
-            self._process = self._socket = None
+            child, self._child = self._child, None
         self._wanted.set()  # the keeper ends
-        if process is not None:
-            _stop(process)
-        if socket is not None:
-            socket.close()
+        if child is not None:
+            _stop(child.process)
+            child.to.close()
+            child.back.close()
 
     @property
     def pid(self) -> int | None:
-        return None if self._process is None else self._process.pid
+        child = self._child
+        return None if child is None else child.process.pid
 
     # -- the engine interface ----------------------------------------------------------------
 
@@ -225,47 +239,95 @@ class DeviceProcessEngine(Engine):
         return self._fast
 
     def tokenize(self, texts: Sequence[str]) -> Batch:
-        """The texts with their ids (a worker's kept as sent), each text's padded length for
-        the token budget; without a tokenizer, the texts alone (the child tokenizes)."""
+        """The texts with their ids (a worker's kept as sent) and each text's padded length
+        for the token budget (without a tokenizer: the texts alone, the child tokenizes),
+        sent to the child at once: it pads them while the device runs the batch before."""
         if self._fast is None:
-            return Batch(len(texts), 0, {"texts": texts})
-        if not isinstance(texts, TokenizedTexts):
-            texts = TokenizedTexts.of(texts, self._fast.ids(texts, cached=False))
-        counts = np.diff(texts.bounds)
-        padded = counts if self._seq_buckets is None else bucket_lengths(counts, self._seq_buckets)
-        return Batch(len(texts), int(counts.sum()), {"texts": texts}, padded)
+            batch = Batch(len(texts), 0, {"texts": texts})
+        else:
+            if not isinstance(texts, TokenizedTexts):
+                texts = TokenizedTexts.of(texts, self._fast.ids(texts, cached=False))
+            counts = np.diff(texts.bounds)
+            buckets = self._seq_buckets
+            padded = counts if buckets is None else bucket_lengths(counts, buckets)
+            batch = Batch(len(texts), int(counts.sum()), {"texts": texts}, padded)
+        with contextlib.suppress(EngineUnavailableError):  # forward tries again, and says so
+            batch.data["ticket"] = self._send(texts)
+        return batch
 
     def forward(self, batch: Batch) -> Vectors:
-        texts = batch.data["texts"]
-        frames: list[Any] = [msgspec.msgpack.encode(list(texts))]
-        if isinstance(texts, TokenizedTexts):
-            bounds = texts.bounds
-            flat = texts.flat[bounds[0] : bounds[-1]]
-            frames += [np.ascontiguousarray(flat, "<i4"), np.asarray(bounds - bounds[0], "<i8")]
-        with self._lock:
-            process, socket = self._live()
-            socket.send_multipart(frames)
+        ticket = batch.data.get("ticket")
+        if ticket is None:
             try:
-                reply = _receive(socket, process, self.timeout_s)
-            except EngineUnavailableError as exc:
-                self._lost(str(exc))
+                ticket = self._send(batch.data["texts"])
+            except EngineUnavailableError:
+                with self._read_lock:
+                    child = self._child
+                    if child is not None and child.process.exitcode is not None:
+                        self._lost(f"the device process exited ({child.process.exitcode})")
                 raise
-        header = msgspec.msgpack.decode(reply[0].buffer)
+        frames = self._answer(ticket)
+        header = msgspec.msgpack.decode(frames[0].buffer)
         if "error" in header:
             raise _ERRORS.get(header["type"], EngineError)(header["error"])
-        return np.frombuffer(reply[1].buffer, "<f4").reshape(header["shape"])
+        return np.frombuffer(frames[1].buffer, "<f4").reshape(header["shape"])
 
     def postprocess(self, output: Any, batch: Batch) -> Vectors:
         return output  # the child's engine postprocessed them
 
     def health(self) -> dict[str, Any]:
-        alive = self._process is not None and self._process.exitcode is None
+        child = self._child
+        alive = child is not None and child.process.exitcode is None
         return {"ok": alive, "pid": self.pid, "starts": self.starts, "reason": self._down}
+
+    def _send(self, texts: Sequence[str]) -> tuple[int, int]:
+        """Send a batch to the child; its ticket. ``EngineUnavailableError`` at once while
+        no child serves (the keeper is asked for one)."""
+        frames: list[Any] = [b"", msgspec.msgpack.encode(list(texts))]
+        if isinstance(texts, TokenizedTexts):
+            bounds = texts.bounds
+            flat = texts.flat[bounds[0] : bounds[-1]]
+            frames += [np.ascontiguousarray(flat, "<i4"), np.asarray(bounds - bounds[0], "<i8")]
+        with self._send_lock:
+            if self._closed:
+                raise EngineError("the engine is closed")
+            child = self._child
+            if child is None or child.process.exitcode is not None:
+                self._wanted.set()  # the keeper starts one, unless it is starting one now
+                raise EngineUnavailableError(self._down or "the device process exited")
+            self._sent += 1
+            frames[0] = self._sent.to_bytes(8, "little")
+            child.to.send_multipart(frames)
+            return child.generation, self._sent
+
+    def _answer(self, ticket: tuple[int, int]) -> list[zmq.Frame]:
+        """The child's answer to the batch of ``ticket``, filing those of others that come
+        first; ``EngineUnavailableError`` when the child exits or is silent for
+        ``timeout_s`` (it is replaced) or was replaced since."""
+        waited = 0.0
+        with self._read_lock:
+            while (frames := self._answers.pop(ticket, None)) is None:
+                child = self._child
+                if child is None or child.generation != ticket[0]:
+                    raise EngineUnavailableError(self._down or "the device process was replaced")
+                if child.back.poll(_POLL_MS):
+                    frames = child.back.recv_multipart(copy=False)
+                    seq = int.from_bytes(frames[0].bytes, "little")
+                    self._answers[(child.generation, seq)] = frames[1:]
+                    while len(self._answers) > _KEPT_ANSWERS:  # never asked for (dropped)
+                        del self._answers[next(iter(self._answers))]
+                    continue
+                waited += _POLL_MS / 1000
+                if child.process.exitcode is not None:
+                    self._lost(f"the device process exited ({child.process.exitcode})")
+                elif waited >= self.timeout_s:
+                    self._lost(f"the device process did not answer in {self.timeout_s:g} s")
+        return frames
 
 
 def _receive(socket: zmq.Socket[bytes], process: BaseProcess, timeout_s: float) -> list[zmq.Frame]:
-    """The child's next message; ``EngineUnavailableError`` when it exits or is silent for
-    ``timeout_s`` (the GIL let go while waiting)."""
+    """The child's first message; ``EngineUnavailableError`` when it exits or is silent for
+    ``timeout_s``."""
     waited = 0.0
     while not socket.poll(_POLL_MS):
         waited += _POLL_MS / 1000
@@ -285,46 +347,58 @@ def _stop(process: BaseProcess) -> None:
 # -- the child ---------------------------------------------------------------------------------
 
 
-def device_main(kind: str, options: dict[str, Any], address: str, log_level: str) -> None:
-    """The device child: load and warm the engine, say so, then answer batches until the
-    engine process goes (PDEATHSIG) or stops it."""
+def device_main(kind: str, options: dict[str, Any], name: str, log_level: str) -> None:
+    """The device child: load and warm the engine, say so, then run batches in the order
+    they come until the engine process goes (PDEATHSIG) or stops it. A thread receives and
+    tokenizes (pads, pins) each batch while this one runs the one before on the device."""
     from proxy.processes import become_child
 
     become_child("device", log_level)
-    socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PAIR)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.connect(address)
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    incoming, back = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
+    for socket, suffix in ((incoming, "-to"), (back, "-back")):
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(name + suffix)
     try:
         engine = create_engine(kind, **options)
         engine.load()
         engine.warmup()
     except Exception as exc:
-        socket.send(msgspec.msgpack.encode(_error(exc)))
+        back.send(msgspec.msgpack.encode(_error(exc)))
         raise
     fast = engine.tokenizer()
-    socket.send(
-        msgspec.msgpack.encode(
-            {
-                "info": asdict(engine.info),
-                "tokenizer": None if fast is None else [str(fast.path.parent), fast.max_seq_length],
-                "seq_buckets": list(getattr(engine, "seq_buckets", None) or ()) or None,
-            }
-        )
-    )
+    ready = {
+        "info": asdict(engine.info),
+        "tokenizer": None if fast is None else [str(fast.path.parent), fast.max_seq_length],
+        "seq_buckets": list(getattr(engine, "seq_buckets", None) or ()) or None,
+    }
+    back.send(msgspec.msgpack.encode(ready))
+    tokenized: queue.SimpleQueue[tuple[bytes, Batch | Exception]] = queue.SimpleQueue()
+
+    def receive() -> None:
+        while True:
+            frames = incoming.recv_multipart(copy=False)
+            texts: list[str] = msgspec.msgpack.decode(frames[1].buffer)
+            if len(frames) == 4:
+                flat = np.frombuffer(frames[2].buffer, "<i4")
+                texts = TokenizedTexts(texts, flat, np.frombuffer(frames[3].buffer, "<i8"))
+            try:
+                tokenized.put((frames[0].bytes, engine.tokenize(texts)))
+            except Exception as exc:  # the batch's own failure: the engine process decides
+                tokenized.put((frames[0].bytes, exc))
+
+    threading.Thread(target=receive, name="device-tokenizer", daemon=True).start()
     while True:
-        frames = socket.recv_multipart(copy=False)
-        texts: list[str] = msgspec.msgpack.decode(frames[0].buffer)
-        if len(frames) == 3:
-            flat = np.frombuffer(frames[1].buffer, "<i4")
-            texts = TokenizedTexts(texts, flat, np.frombuffer(frames[2].buffer, "<i8"))
+        seq, batch = tokenized.get()
         try:
-            rows = np.ascontiguousarray(engine.embed(texts), np.float32)
-        except Exception as exc:  # the batch's own failure: the engine process decides
-            socket.send(msgspec.msgpack.encode(_error(exc)))
+            if isinstance(batch, Exception):
+                raise batch
+            rows = np.ascontiguousarray(engine.postprocess(engine.forward(batch), batch), "<f4")
+        except Exception as exc:
+            back.send_multipart([seq, msgspec.msgpack.encode(_error(exc))])
             continue
-        socket.send_multipart(
-            [msgspec.msgpack.encode({"shape": rows.shape}), rows.data], copy=False
-        )
+        header = msgspec.msgpack.encode({"shape": rows.shape})
+        back.send_multipart([seq, header, rows.data], copy=False)
 
 
 def _error(exc: Exception) -> dict[str, str]:

@@ -61,6 +61,34 @@ def test_a_device_child_embeds_as_the_engine_in_process(fake: DeviceProcessEngin
     assert fake.starts == 1
 
 
+def test_batches_sent_ahead_are_answered_to_whoever_waits(fake: DeviceProcessEngine) -> None:
+    """A batch goes to the child when it is tokenized (the batcher tokenizes the next one
+    while the device runs this one): each forward gets its own batch's rows, whatever the
+    order, with batches never forwarded (dropped meanwhile) and two threads at once."""
+    local = FakeEngine()
+    parts = [TEXTS[i : i + 7] for i in range(0, 280, 7)]
+    sent = [fake.tokenize(part) for part in parts[:4]]
+    assert np.array_equal(fake.forward(sent[1]), local.embed(parts[1]))
+    assert np.array_equal(fake.forward(sent[0]), local.embed(parts[0]))  # filed meanwhile
+    dropped = [fake.tokenize(part) for part in parts[4:30]]  # never forwarded
+    assert np.array_equal(fake.forward(sent[3]), local.embed(parts[3]))
+    assert len(dropped) == 26
+
+    def embed_each(own: list[list[str]]) -> list[bool]:
+        return [np.array_equal(fake.embed(part), local.embed(part)) for part in own]
+
+    results: list[list[bool]] = []
+    threads = [
+        threading.Thread(target=lambda own=own: results.append(embed_each(own)))
+        for own in (parts[30:35] * 10, parts[35:40] * 10)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert [len(r) for r in results] == [50, 50] and all(map(all, results))
+
+
 def test_a_killed_device_child_fails_its_batch_and_another_serves() -> None:
     engine = DeviceProcessEngine("fake", {"device": "cpu", "delay_s": 1.0})
     engine.load()
