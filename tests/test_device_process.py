@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +22,8 @@ from engines.tokenization import TokenizedTexts
 from proxy.device_process import DeviceProcessEngine, use_device_process
 from proxy.engine_host import build_engine
 from proxy.settings import Settings
+from tests.serve_process import FleetcacheServer, descendants
+from tests.test_processes import embed
 from tests.test_tokenization import as_sent, real_fleet
 
 TEXTS = [f"driver {i} | van | lisbon" for i in range(300)]
@@ -178,3 +181,27 @@ def test_the_torch_engine_in_a_device_child_runs_the_ids_it_is_sent() -> None:
         assert np.allclose(asyncio.run(batched()), plain, atol=1e-5)
     finally:
         engine.close()
+
+
+def test_the_server_serves_on_while_its_device_child_is_replaced(tmp_path: Path) -> None:
+    """``fleetcache serve`` with the device child: kill -9 of it under requests costs no
+    request (the fallback computes misses meanwhile); the engine process lives on, its new
+    child serves, and the counts stay exact."""
+    settings = {"device_process": "on", "lmdb_writer": "thread", "fallback_engine": "fake"}
+    with FleetcacheServer(tmp_path, workers=2, **settings) as server:
+        assert embed(server.url, ["before"]).status_code == 200
+        engine = server.pids()["engine"]["pid"]
+        (child,) = descendants(engine)  # the writer is a thread here: the device child alone
+        os.kill(child, signal.SIGKILL)
+        statuses = [embed(server.url, [f"during {i}", "before"]).status_code for i in range(30)]
+        assert statuses == [200] * 30
+
+        def replaced() -> bool:
+            serving = server.stats()["inference"]["engine_health"]["serving"]
+            return serving == "primary" and descendants(engine) not in ([], [child])
+
+        wait_until(replaced)
+        assert embed(server.url, ["after"]).status_code == 200
+        assert server.pids()["engine"] == {"pid": engine, "restarts": 0}
+        stats = server.stats()
+        assert stats["inference"]["items"] == stats["cache"]["misses"] == 32
