@@ -63,6 +63,7 @@ from engines.base import (
     EngineUnavailableError,
     Vectors,
 )
+from engines.batcher import budget_groups
 from engines.registry import create_engine
 from engines.tokenization import FastTokenizer, TokenizedTexts, bucket_lengths
 
@@ -100,12 +101,14 @@ class DeviceProcessEngine(Engine):
         options: dict[str, Any],
         *,
         log_level: str = "info",
+        max_batch_tokens: int | None = None,
         timeout_s: float = BATCH_TIMEOUT_S,
         start_timeout_s: float = START_TIMEOUT_S,
     ) -> None:
         self.kind, self.options = kind, dict(options)
         self.info = create_engine(kind, **options).info  # not loaded: its identity only
         self.log_level = log_level
+        self.max_batch_tokens = max_batch_tokens  # the batcher's: it cuts a batch over it
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         self.starts = 0  # children started (a restart after a death counts one more)
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -243,9 +246,11 @@ class DeviceProcessEngine(Engine):
     def tokenize(self, texts: Sequence[str]) -> Batch:
         """The texts with their ids (a worker's kept as sent) and each text's padded length
         for the token budget (without a tokenizer: the texts alone, the child tokenizes),
-        sent to the child at once: it pads them while the device runs the batch before."""
+        sent to the child at once, so that it pads them while the device runs the batch
+        before; not a batch over ``max_batch_tokens``, which the batcher runs in groups."""
         if self._fast is None:
             batch = Batch(len(texts), 0, {"texts": texts})
+            padded = np.full(len(texts), self.info.max_seq_length, np.int64)
         else:
             if not isinstance(texts, TokenizedTexts):
                 texts = TokenizedTexts.of(texts, self._fast.ids(texts, cached=False))
@@ -253,8 +258,9 @@ class DeviceProcessEngine(Engine):
             buckets = self._seq_buckets
             padded = counts if buckets is None else bucket_lengths(counts, buckets)
             batch = Batch(len(texts), int(counts.sum()), {"texts": texts}, padded)
-        with contextlib.suppress(EngineUnavailableError):  # forward tries again, and says so
-            batch.data["ticket"] = self._send(texts)
+        if len(budget_groups(padded, self.max_batch_tokens)) == 1:
+            with contextlib.suppress(EngineUnavailableError):  # forward tries again, says so
+                batch.data["ticket"] = self._send(texts)
         return batch
 
     def forward(self, batch: Batch) -> Vectors:

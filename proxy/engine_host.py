@@ -103,7 +103,10 @@ def build_engine(settings: Settings) -> FallbackEngine:
     options = engine_options(settings)
     if use_device_process(settings.device_process, options["device"]):
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
-        primary: Engine = DeviceProcessEngine(settings.engine, options, log_level=level)
+        budget = settings.max_batch_tokens
+        primary: Engine = DeviceProcessEngine(
+            settings.engine, options, log_level=level, max_batch_tokens=budget
+        )
     else:
         primary = create_engine(settings.engine, **options)
     fallback = None

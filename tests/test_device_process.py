@@ -92,6 +92,21 @@ def test_batches_sent_ahead_are_answered_to_whoever_waits(fake: DeviceProcessEng
     assert [len(r) for r in results] == [50, 50] and all(map(all, results))
 
 
+def test_a_batch_over_the_token_budget_is_not_sent_ahead() -> None:
+    """The batcher cuts it into groups and runs those: sent whole, the child would run it
+    as well (and over the budget)."""
+    engine = DeviceProcessEngine("fake", {"device": "cpu"}, max_batch_tokens=256 * 3)
+    engine.load()  # the fake has no tokenizer: each text counts max_seq_length (256)
+    try:
+        whole, over = engine.tokenize(TEXTS[:3]), engine.tokenize(TEXTS[:4])
+        assert "ticket" in whole.data and "ticket" not in over.data
+        local = FakeEngine()
+        assert np.array_equal(engine.forward(over), local.embed(TEXTS[:4]))  # sent now
+        assert np.array_equal(engine.forward(whole), local.embed(TEXTS[:3]))
+    finally:
+        engine.close()
+
+
 def test_a_killed_device_child_fails_its_batch_and_another_serves() -> None:
     engine = DeviceProcessEngine("fake", {"device": "cpu", "delay_s": 1.0})
     engine.load()
