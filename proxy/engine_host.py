@@ -272,6 +272,7 @@ class EngineHost:
             "last_error": batcher.last_error,
             "per_item_ms": batcher.per_item_ms,
             "store": None if self.store is None else self.store.store_health(),
+            "device_process": self._device_process(),
             "tokenizer": None
             if (t := self.tokenizer) is None
             else {
@@ -280,6 +281,11 @@ class EngineHost:
                 "digest": t.digest,
             },
         }
+
+    def _device_process(self) -> dict[str, Any] | None:
+        """The device child's pid, starts and why it is down (None: the device runs here)."""
+        primary = getattr(self.engine, "primary", self.engine)
+        return primary.health() if isinstance(primary, DeviceProcessEngine) else None
 
     def publish(self) -> None:
         """Mirror the batcher's totals and the queue onto the board (after every batch and

@@ -105,6 +105,7 @@ def inference_section(
             "reason": health.reason,
             "serving": health.serving,
         },
+        "device_process": facts.get("device_process"),
         "expired_items": int(s["inference.expired_items"]),
         "drift_items": int(s["inference.drift_items"]),
         "devices": devices_section(services, totals),

@@ -207,6 +207,8 @@ def test_the_server_serves_on_while_its_device_child_is_replaced(tmp_path: Path)
         assert embed(server.url, ["before"]).status_code == 200
         engine = server.pids()["engine"]["pid"]
         (child,) = descendants(engine)  # the writer is a thread here: the device child alone
+        shown = server.stats()["inference"]["device_process"]
+        assert shown == {"ok": True, "pid": child, "starts": 1, "reason": None}
         os.kill(child, signal.SIGKILL)
         statuses = [embed(server.url, [f"during {i}", "before"]).status_code for i in range(30)]
         assert statuses == [200] * 30
@@ -219,4 +221,6 @@ def test_the_server_serves_on_while_its_device_child_is_replaced(tmp_path: Path)
         assert embed(server.url, ["after"]).status_code == 200
         assert server.pids()["engine"] == {"pid": engine, "restarts": 0}
         stats = server.stats()
+        shown = stats["inference"]["device_process"]
+        assert shown["ok"] and shown["starts"] == 2 and shown["pid"] not in (None, child)
         assert stats["inference"]["items"] == stats["cache"]["misses"] == 32
