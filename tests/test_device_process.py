@@ -130,7 +130,7 @@ def test_a_killed_device_child_fails_its_batch_and_another_serves() -> None:
         started = time.monotonic()
         with pytest.raises(EngineUnavailableError):  # at once while the next one starts
             engine.embed(TEXTS[:1])
-        assert time.monotonic() - started < 0.5
+        assert time.monotonic() - started < 2.0  # not the restart, nor the 120 s timeout
         assert not engine.health()["ok"]
         wait_until(lambda: engine.health()["ok"])
         assert engine.pid not in (None, first) and engine.starts == 2
