@@ -309,7 +309,7 @@ def measure_layout(
         pids = [e["pid"] for e in stats["processes"]["engines"]]
         row["engine_peak_mb"] = sum(map(peak_rss_mb, pids + children(pids)))
         row["engine_cpu"] = {
-            k: median([r[k] for r in cpu_runs]) for k in ("loop", "process", "cores")
+            k: median([r[k] for r in cpu_runs]) for k in ("loop", "process", "children", "cores")
         }
         for phase, results in runs.items():
             if not results:
@@ -398,11 +398,13 @@ def written_back_after(server: Server, limit_s: float = 300.0) -> float:
 
 
 def children(pids: list[int]) -> list[int]:
-    """The child processes of ``pids`` (an engine's LMDB writer child, say)."""
+    """The child processes of ``pids``, whichever thread started them (an engine's LMDB
+    writer child, its device child)."""
     found: list[int] = []
     for pid in pids:
         with contextlib.suppress(OSError):
-            found += map(int, Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                found += map(int, (task / "children").read_text().split())
     return found
 
 
@@ -442,16 +444,19 @@ class EngineCpu:
         self.started = time.monotonic()
         self.ticks = self.read()
 
-    def read(self) -> tuple[int, int, int]:
-        loop = process = server = 0
+    def read(self) -> tuple[int, int, int, int]:
+        loop = process = kids = server = 0
         for pid in self.pids:
             with contextlib.suppress(OSError):  # an engine restarted: its ticks are lost
                 main, whole = cpu_ticks(pid)
                 loop, process = loop + main, process + whole
+        for pid in children(self.pids):  # the LMDB writer child, the device child
+            with contextlib.suppress(OSError):
+                kids += cpu_ticks(pid)[1]
         for pid in tree(self.server.process.pid):
             with contextlib.suppress(OSError):  # gone meanwhile
                 server += cpu_ticks(pid)[1]
-        return loop, process, server
+        return loop, process, kids, server
 
     def per_item(self) -> dict[str, float]:
         items = max(self.server.stats()["inference"]["items"] - self.items, 1)
@@ -459,13 +464,14 @@ class EngineCpu:
         seconds = {
             name: (after - before) / hz
             for name, before, after in zip(
-                ("loop", "process", "server"), self.ticks, self.read(), strict=True
+                ("loop", "process", "children", "server"), self.ticks, self.read(), strict=True
             )
         }
         elapsed = time.monotonic() - self.started
         return {
             "loop": seconds["loop"] * 1e6 / items,
             "process": seconds["process"] * 1e6 / items,
+            "children": seconds["children"] * 1e6 / items,
             "cores": seconds["server"] / elapsed,
         }
 
@@ -659,13 +665,13 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
     columns += ["probe p99 idle -> under hits ms", "health port p99 idle -> under hits ms"]
     columns += ["miss texts/s (2xx)", "miss non-2xx", "miss p50 / p99 ms", "misses / batcher"]
     columns += ["items == misses"]
-    columns += ["written back s after", "engine peak MiB"]
-    columns += ["engine loop / process CPU us per text", "server cores busy"]
+    columns += ["written back s after", "engine peak MiB (with its children)"]
+    columns += ["engine loop / process / children CPU us per text", "server cores busy"]
     columns += ["per-worker requests"]
     columns += ["items per engine"]
     table = []
     for r in rows:
-        hits, probe, misses = r["hits"], r["probe"], r["misses"]
+        hits, probe, misses, cpu = r["hits"], r["probe"], r["misses"], r["engine_cpu"]
         ratio = f"{misses['ok_s'] * 32 / batcher:.2f}" if batcher else "-"
         health = "-"
         if r["idle_health_p99"] and r["health"]["p99_ms"]:
@@ -686,8 +692,8 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
                 str(r["items_equal_misses"]),
                 f"{r['drain_s']:.1f}",
                 f"{r['engine_peak_mb']:,.0f}",
-                f"{r['engine_cpu']['loop']:.1f} / {r['engine_cpu']['process']:.1f}",
-                f"{r['engine_cpu']['cores']:.1f}",
+                f"{cpu['loop']:.1f} / {cpu['process']:.1f} / {cpu['children']:.1f}",
+                f"{cpu['cores']:.1f}",
                 str(r["per_worker_requests"]),
                 str(r["device_items"]),
             ]
