@@ -177,6 +177,7 @@ class _Request:
 _Slice = tuple[_Request, int, int]  # request, start, stop
 _Result = tuple[Vectors, list[float]] | Exception  # rows and forward durations, or the error
 _Outcome = tuple[list[_Slice], _Result]  # what the engine thread took, and its result
+_Ahead = tuple[list[str], Batch]  # a batch's texts and tokens, made by the tokenizer thread
 
 
 def _report(
@@ -534,12 +535,14 @@ class Batcher:
         """Runs on the tokenizer thread: tokenize ``batch`` and queue it on the engine thread
         (in the order taken: this thread is one)."""
         assert self._executor is not None
+        ahead: _Ahead | None
         try:
-            tokens: Batch | None = self.engine.tokenize(self._texts(batch))
+            texts = self._texts(batch)
+            ahead = texts, self.engine.tokenize(texts)
         except Exception:  # the engine thread tokenizes again and reports any error
-            tokens = None
+            ahead = None
         try:
-            self._executor.submit(self._engine_job, loop, key, batch, tokens)
+            self._executor.submit(self._engine_job, loop, key, batch, ahead)
         except Exception as exc:  # shut down meanwhile: the loop fails what it held
             _report(loop, self._complete, key, batch, exc)
 
@@ -548,12 +551,12 @@ class Batcher:
         loop: asyncio.AbstractEventLoop,
         key: int,
         batch: list[_Slice],
-        tokens: Batch | None,
+        ahead: _Ahead | None,
     ) -> None:
         """Runs on the engine thread: the batch, then its outcome straight to the loop (one
         turn of it between a forward's end and its requests resolved)."""
         try:
-            live, outcome = self._start(loop, key, batch, tokens)
+            live, outcome = self._start(loop, key, batch, ahead)
         except Exception as exc:  # a bug around the engine call: its error, to all it held
             live, outcome = batch, exc
         _report(loop, self._complete, key, live, outcome)
@@ -563,13 +566,14 @@ class Batcher:
         loop: asyncio.AbstractEventLoop,
         key: int,
         batch: list[_Slice],
-        tokens: Batch | None,
+        ahead: _Ahead | None,
     ) -> _Outcome:
         """Runs on the engine thread: take the slices of ``batch`` whose request is still
         waiting and within its deadline (under ``_claim``, which ``_expire`` takes too: a
         request is either failed at its deadline or computed, never both), count them on
-        the event loop, and run them. Returns what it took, with the rows and durations or
-        the engine's error."""
+        the event loop, and run them (with the texts and tokens the tokenizer thread made
+        ``ahead`` of it, when every slice is still live). Returns what it took, with the rows
+        and durations or the engine's error."""
         with self._claim:
             now = time.monotonic()
             live = [
@@ -582,12 +586,12 @@ class Batcher:
                 request.sent += stop - start
         self._waiting_engine.pop(key, None)  # one dict operation: atomic under the GIL
         loop.call_soon_threadsafe(self._sent, live, now)  # before the result's callback
-        if len(live) < len(batch):  # expired or went away after hand-off: not computed
-            tokens = None
         if not live:
             return live, (np.empty((0, self.engine.dim), dtype=np.float32), [])
         try:
-            return live, self._embed(self._texts(live), tokens)
+            if ahead is None or len(live) < len(batch):  # some expired or went away meanwhile
+                return live, self._embed(self._texts(live), None)
+            return live, self._embed(*ahead)
         except Exception as exc:
             return live, exc
 
