@@ -398,14 +398,9 @@ def written_back_after(server: Server, limit_s: float = 300.0) -> float:
 
 
 def children(pids: list[int]) -> list[int]:
-    """The child processes of ``pids``, whichever thread started them (an engine's LMDB
-    writer child, its device child)."""
-    found: list[int] = []
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            for task in Path(f"/proc/{pid}/task").iterdir():
-                found += map(int, (task / "children").read_text().split())
-    return found
+    """The processes below ``pids``, whichever thread started them (an engine's LMDB writer
+    child, its device child)."""
+    return [below for pid in pids for below in tree(pid)[1:]]
 
 
 def peak_rss_mb(pid: int) -> float:
