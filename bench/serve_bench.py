@@ -65,6 +65,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -471,6 +472,88 @@ class EngineCpu:
         }
 
 
+class RoleCpu:
+    """The CPU of every process of the server by role while a block runs (a warm-up job,
+    whose processes start and end inside it, so every process is read each ``every_s``):
+    for each role, CPU microseconds a feature (all its processes, every thread), the cores it
+    kept busy, and the busiest main thread among its processes (a share of one core: near 1,
+    that interpreter's loop is what bounds the job)."""
+
+    def __init__(self, server: Server, every_s: float = 0.1) -> None:
+        self.server, self.every_s = server, every_s
+        self.first: dict[int, tuple[int, int]] = {}  # pid -> ticks when first read
+        self.last: dict[int, tuple[int, int]] = {}
+        self.roles: dict[int, str] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> RoleCpu:
+        stats = self.server.stats()
+        processes = stats["processes"]
+        self.known = {e["pid"]: "engine" for e in processes["engines"]}
+        self.known[processes["index"]["pid"]] = "index owner"
+        self.known.update({w["pid"]: "workers" for w in processes["workers"]})
+        device = stats["inference"].get("device_process") or {}
+        if device.get("pid"):
+            self.known[device["pid"]] = "device child"
+        self.read(born=False)
+        self.started = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.read(born=True)
+        self.elapsed = time.monotonic() - self.started
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.read(born=True)
+
+    def read(self, *, born: bool) -> None:
+        """Every process's ticks; one first seen now started at 0 (``born``) or is counted
+        from here (before the block)."""
+        for pid in tree(self.server.process.pid):
+            with contextlib.suppress(OSError):  # gone meanwhile
+                ticks = cpu_ticks(pid)
+                self.first.setdefault(pid, (0, 0) if born else ticks)
+                self.last[pid] = ticks
+                if pid not in self.roles:
+                    self.roles[pid] = self.role(pid)
+
+    def role(self, pid: int) -> str:
+        if pid in self.known:
+            return self.known[pid]
+        if pid == self.server.process.pid:
+            return "supervisor"
+        parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        below = {"engine": "engine's writer child", "warm-up job": "warm-up shards"}
+        if (parent_role := self.roles.get(parent) or self.role(parent)) in below:
+            return below[parent_role]  # a forked shard has its job's command line
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        return "warm-up job" if b"proxy.jobs" in command else "other"
+
+    def rows(self, features: int) -> list[list[str]]:
+        hz, seconds = os.sysconf("SC_CLK_TCK"), max(self.elapsed, 1e-9)
+        whole: dict[str, float] = {}
+        main: dict[str, float] = {}
+        for pid, role in self.roles.items():
+            (m0, w0), (m1, w1) = self.first[pid], self.last[pid]
+            whole[role] = whole.get(role, 0.0) + (w1 - w0) / hz
+            main[role] = max(main.get(role, 0.0), (m1 - m0) / hz / seconds)
+        order = sorted(whole, key=lambda r: -whole[r])
+        return [
+            [
+                role,
+                f"{whole[role] * 1e6 / max(features, 1):.1f}",
+                f"{whole[role] / seconds:.2f}",
+                f"{main[role]:.2f}",
+            ]
+            for role in order
+        ]
+
+
 def measure_twins(server: Server, wrk: Wrk, connections: int, seconds: float) -> dict[str, Any]:
     """``twins.lua``: texts/s, and the engine items it cost per text looked up."""
     before = server.stats()
@@ -545,7 +628,8 @@ def measure_warmup(args: argparse.Namespace, server: Server, wrk: Wrk, out: Path
     for seed, path in enumerate(files):
         if not path.exists():
             write_records(iter_fleet(args.warmup, seed=97 + seed), path)
-    with profiled(args, server, out / f"profile-warmup-{server.workers}.txt", True):
+    cpu = RoleCpu(server)
+    with profiled(args, server, out / f"profile-warmup-{server.workers}.txt", True), cpu:
         job = run_job(server, files[0])
     paced = {"POOL": str(POOL), "FMT": "base64", "GAP_MS": str(LOOKUP_GAP_MS)}
     alone, during, beside = [], [], []
@@ -565,6 +649,8 @@ def measure_warmup(args: argparse.Namespace, server: Server, wrk: Wrk, out: Path
         "lookup_p99_alone_ms": alone,
         "lookup_p99_during_ms": during,
         "tokenizer_texts_per_s": tokenizer_ceiling(args, files[0]),
+        "cpu": cpu.rows(job["indexed"]),
+        "cpu_s": cpu.elapsed,
     }
 
 
@@ -759,6 +845,15 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
             )
         print()
         print_table(columns, table)
+        for r in warm:
+            print(
+                f"\nwhere the job alone's CPU went ({r['layout']}, {r['warmup']['cpu_s']:.1f} s "
+                "from its POST to its end, its processes' start included):"
+            )
+            print_table(
+                ["role", "CPU us a feature", "cores busy", "busiest main thread (of a core)"],
+                r["warmup"]["cpu"],
+            )
 
 
 def idle_to_busy(idle: float, busy: float) -> str:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 ROLES = (  # the first entry point found in a process's stacks names it
     ("shard_main", "warm-up shard"),
+    ("device_main", "device child"),
     ("engine_main", "engine"),
     ("index_main", "index"),
     ("worker_main", "worker"),
@@ -60,7 +61,7 @@ def thread_of(frames: list[str]) -> str:
 
 def ours(frame: str) -> bool:
     match = FRAME.match(frame)
-    return bool(match) and match["file"].split("/", 1)[0] in PACKAGES
+    return match is not None and match["file"].split("/", 1)[0] in PACKAGES
 
 
 def report(path: Path, top: int) -> str:
