@@ -528,7 +528,11 @@ class RoleCpu:
         if pid == self.server.process.pid:
             return "supervisor"
         parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        below = {"engine": "engine's writer child", "warm-up job": "warm-up shards"}
+        below = {
+            "engine": "engine's writer child",  # and the partitions' writers below it
+            "engine's writer child": "engine's writer child",
+            "warm-up job": "warm-up shards",
+        }
         if (parent_role := self.roles.get(parent) or self.role(parent)) in below:
             return below[parent_role]  # a forked shard has its job's command line
         command = Path(f"/proc/{pid}/cmdline").read_bytes()

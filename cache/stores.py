@@ -4,7 +4,8 @@
 
     CacheStore (BaseStore[str, bytes])  adds kind, a non-counting contains() peek, close()
      +-- MemoryByteStore   in-process LRU bounded by bytes; async forms run inline
-     +-- LmdbByteStore     one LMDB environment on disk; async forms hop to a thread
+     +-- LmdbByteStore     LMDB on disk: one environment, or partitions of the keys each in
+                           an environment of its own; async forms hop to a thread
      +-- RedisByteStore    (redis_store.py) shared by replicas, over redis-py; async forms
                            run on its own thread pool
      +-- TieredByteStore   memory first, then a second-tier ByteStore; store errors are
@@ -18,8 +19,10 @@ Every store is a complete ``ByteStore``: ``mget``, ``mset``, ``mdelete``,
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
+import zlib
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
@@ -34,6 +37,11 @@ from cache.boot import BootGuard
 from cache.redis_store import RedisByteStore
 
 GiB = 1 << 30
+# Keys that point at other entries (``cache.links``): written before the entries they point
+# at and deleted after them, so that a crash between two partitions' commits never leaves an
+# entry that nothing points at (an entity's vector that ``forget`` could not find).
+POINTER_PREFIX = b"link:"
+LAYOUT_FILE = "partitions"  # how many partitions the directory was made with
 _Bytes = bytes  # MemoryByteStore has a ``bytes`` property that shadows the builtin
 
 
@@ -145,20 +153,37 @@ class MemoryByteStore(CacheStore):
 
 
 class LmdbByteStore(CacheStore):
-    """``str -> bytes`` in one LMDB environment (a directory holding data.mdb and lock.mdb,
-    and the files of its boot guard, ``cache.boot``).
+    """``str -> bytes`` in LMDB: one environment (a directory holding data.mdb and lock.mdb,
+    and the files of its boot guard, ``cache.boot``), or ``partitions`` of the keys (by a
+    CRC32 of the key), each an environment in a subdirectory ``p<i>`` of its own.
 
-    ``mget`` runs in one read transaction and ``mset`` / ``mdelete`` in one write transaction
-    each. Durability: ``sync=True`` (default) with ``metasync=False`` keeps atomicity and
+    Why partitions: LMDB has one writer at a time per environment, and a hashed key lands on
+    a random page, so with an fsync at every commit one environment takes as many new entries
+    a second as one writer's random pages and fsyncs allow (12-20k on the H200 machine's
+    disk); a partition has a write lock and an fsync of its own, so one writer process a
+    partition (``proxy.lmdb_writer``) writes 4-5x that with 8 (docs/BENCHMARKS.md). Threads of
+    one process do not: py-lmdb hands the GIL back and forth around every ``put``, and 8
+    partitions written from 8 threads took no more than one. So this class writes the
+    partitions of a call one after another. A read of N keys takes a read transaction per
+    partition it touches. The directory decides the layout: it is made with ``partitions``
+    (recorded in its ``partitions`` file) and opened as it was made whatever is asked later
+    (a directory of one environment, an older cache, stays one), so every process of a server
+    agrees on where each key lives.
+
+    ``mget`` runs in one read transaction a partition and ``mset`` / ``mdelete`` in one write
+    transaction a partition each: atomic within a partition. Across partitions, entity links
+    (``POINTER_PREFIX``) are committed before and deleted after the entries they point at.
+    Durability: ``sync=True`` (default) with ``metasync=False`` keeps atomicity and
     consistency on any crash and loses at most the last committed batch on an OS crash or
     power loss (a process crash loses nothing); ``sync=False`` also skips the data fsync at
     each commit (an fsync every ``sync_every_s`` seconds instead, if given, and at close): a
     process crash still loses nothing, and after an OS crash or a power loss the cache starts
     empty (``cache.boot``: the tree may be torn, so it is not read). Several processes may
     open the same directory (the server and ``fleetcache warmup``): LMDB locks writers.
-    A full map (``map_size``) makes writes raise ``lmdb.MapFullError``; TieredByteStore counts
-    that as a store error and keeps serving. Async forms run the call in a worker thread.
-    Keys are UTF-8; at most ``max_key_size`` (511) bytes.
+    A full map (``map_size``, shared by the partitions) makes writes raise
+    ``lmdb.MapFullError``; TieredByteStore counts that as a store error and keeps serving.
+    Async forms run the call in a worker thread. Keys are UTF-8; at most ``max_key_size``
+    (511) bytes.
     """
 
     kind: ClassVar[str] = "lmdb"
@@ -168,6 +193,7 @@ class LmdbByteStore(CacheStore):
         path: Path | str,
         map_size: int = 4 * GiB,
         *,
+        partitions: int = 1,
         sync: bool = True,
         sync_every_s: float | None = None,
         readahead: bool = False,
@@ -177,27 +203,49 @@ class LmdbByteStore(CacheStore):
     ) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
-        self._guard = BootGuard(self.path, unsynced=not sync)
-        self.emptied_at_open = self._guard.emptied  # after an OS crash, unsynced (cache.boot)
+        self.partitions = _layout(self.path, partitions)
+        where = (
+            [self.path]
+            if self.partitions == 1
+            else [self.path / f"p{i}" for i in range(self.partitions)]
+        )
+        # a key's partition is a CRC32 of it: a few keys more in one than another, so each
+        # partition may take an eighth more than an even share of the map
+        share = map_size if self.partitions == 1 else map_size // self.partitions * 9 // 8
+        self.directories, self.partition_map_size = where, share
+        self._guards: list[BootGuard] = []
+        self._envs: list[lmdb.Environment] = []
         try:
-            # readahead=False: lookups are random single pages, the OS readahead only evicts
-            # useful pages once the file outgrows RAM.
-            self._env = lmdb.open(
-                str(self.path),
-                subdir=True,
-                map_size=map_size,
-                max_dbs=0,
-                sync=sync,
-                metasync=False,
-                readahead=readahead,
-                writemap=False,
-                max_readers=max_readers,
-                lock=True,
-            )
+            for directory in where:
+                directory.mkdir(exist_ok=True)
+                self._guards.append(BootGuard(directory, unsynced=not sync))
+                # readahead=False: lookups are random single pages, the OS readahead only
+                # evicts useful pages once the file outgrows RAM.
+                self._envs.append(
+                    lmdb.open(
+                        str(directory),
+                        subdir=True,
+                        map_size=share,
+                        max_dbs=0,
+                        sync=sync,
+                        metasync=False,
+                        readahead=readahead,
+                        writemap=False,
+                        max_readers=max_readers,
+                        lock=True,
+                    )
+                )
         except BaseException:
-            self._guard.release(synced=False)
+            for env in self._envs:
+                env.close()
+            for guard in self._guards:
+                guard.release(synced=False)
             raise
-        self._env.reader_check()  # free slots left by crashed processes
+        # after an OS crash, unsynced (cache.boot)
+        self.emptied_at_open = any(guard.emptied for guard in self._guards)
+        for env in self._envs:
+            env.reader_check()  # free slots left by crashed processes
+        self._env = self._envs[0]
         self.syncs = 0  # fsyncs by the timer (``sync_every_s``)
         self._stop_syncing = threading.Event()
         self._syncer: threading.Thread | None = None
@@ -220,19 +268,50 @@ class LmdbByteStore(CacheStore):
             raise ValueError(f"LMDB keys must be 1..{self._max_key} bytes, got {len(raw)}")
         return raw
 
+    def _by_partition(self, raw: Sequence[bytes]) -> dict[int, list[bytes]]:
+        """Keys (valid ones only) grouped by the partition that holds them."""
+        parts: dict[int, list[bytes]] = {}
+        n = self.partitions
+        for k in raw:
+            if 0 < len(k) <= self._max_key:
+                parts.setdefault(zlib.crc32(k) % n, []).append(k)  # partition_of, inlined
+        return parts
+
+    def partition_of(self, key: bytes) -> int:
+        return zlib.crc32(key) % self.partitions
+
     def mget(self, keys: Sequence[str]) -> list[bytes | None]:
         raw = [k.encode("utf-8") for k in keys]
-        valid = [k for k in raw if 0 < len(k) <= self._max_key]
-        # getmulti looks all keys up in one C loop: ~3x faster than txn.get per key.
-        with self._env.begin() as txn, txn.cursor() as cur:
-            found: dict[bytes, bytes] = dict(cur.getmulti(valid))
+        found: dict[bytes, bytes] = {}
+        if self.partitions == 1:
+            valid = [k for k in raw if 0 < len(k) <= self._max_key]
+            parts = {0: valid}
+        else:
+            parts = self._by_partition(raw)
+        for i, part in parts.items():
+            # getmulti looks all keys up in one C loop: ~3x faster than txn.get per key.
+            with self._envs[i].begin() as txn, txn.cursor() as cur:
+                found.update(cur.getmulti(part))
         return [found.get(k) for k in raw]
 
     def mset(self, key_value_pairs: Sequence[tuple[str, bytes]]) -> None:
         if not key_value_pairs:
             return
         items = [(self._key(k), v) for k, v in key_value_pairs]
-        with self._env.begin(write=True) as txn:
+        if self.partitions == 1:
+            self._put(0, items)
+            return
+        pointers = [(k, v) for k, v in items if k.startswith(POINTER_PREFIX)]
+        others = [(k, v) for k, v in items if not k.startswith(POINTER_PREFIX)]
+        for phase in (pointers, others):  # links first: see POINTER_PREFIX
+            parts: dict[int, list[tuple[bytes, bytes]]] = {}
+            for k, v in phase:
+                parts.setdefault(self.partition_of(k), []).append((k, v))
+            for i, part in parts.items():
+                self._put(i, part)
+
+    def _put(self, partition: int, items: Sequence[tuple[bytes, bytes]]) -> None:
+        with self._envs[partition].begin(write=True) as txn:
             put = txn.put
             for k, v in items:
                 put(k, v)
@@ -241,24 +320,34 @@ class LmdbByteStore(CacheStore):
         if not keys:
             return
         raw = [k.encode("utf-8") for k in keys]
-        with self._env.begin(write=True) as txn:
-            for k in raw:
-                if 0 < len(k) <= self._max_key:
-                    txn.delete(k)
+        pointers = [k for k in raw if k.startswith(POINTER_PREFIX)]
+        others = [k for k in raw if not k.startswith(POINTER_PREFIX)]
+        for phase in (others, pointers):  # links last: see POINTER_PREFIX
+            for i, part in self._by_partition(phase).items():
+                self._delete(i, part)
+
+    def _delete(self, partition: int, keys: Sequence[bytes]) -> None:
+        with self._envs[partition].begin(write=True) as txn:
+            for k in keys:
+                txn.delete(k)
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         raw = [k.encode("utf-8") for k in keys]
-        with self._env.begin() as txn, txn.cursor() as cur:
-            return [0 < len(k) <= self._max_key and cur.set_key(k) for k in raw]
+        present: set[bytes] = set()
+        for i, part in self._by_partition(raw).items():
+            with self._envs[i].begin() as txn, txn.cursor() as cur:
+                present.update(k for k in part if cur.set_key(k))
+        return [k in present for k in raw]
 
-    def _scan(self, prefix: bytes, after: bytes | None) -> list[bytes]:
-        """Up to ``scan_chunk`` keys with ``prefix`` after ``after``, in a short read txn.
+    def _scan(self, partition: int, prefix: bytes, after: bytes | None) -> list[bytes]:
+        """Up to ``scan_chunk`` keys of one partition with ``prefix`` after ``after``, in a
+        short read txn.
 
         Scanning in chunks keeps no read transaction open while the caller consumes keys
         (a long-lived reader would pin old pages and grow the file).
         """
         out: list[bytes] = []
-        with self._env.begin() as txn, txn.cursor() as cur:
+        with self._envs[partition].begin() as txn, txn.cursor() as cur:
             if after is not None:
                 ok = cur.set_range(after)
                 if ok and cur.key() == after:
@@ -274,12 +363,15 @@ class LmdbByteStore(CacheStore):
         return out
 
     def yield_keys(self, *, prefix: str | None = None) -> Iterator[str]:
-        pfx, after = (prefix or "").encode("utf-8"), None
-        while chunk := self._scan(pfx, after):
-            yield from (k.decode("utf-8") for k in chunk)
-            if len(chunk) < self._scan_chunk:
-                return
-            after = chunk[-1]
+        """Keys in order within each partition, one partition after another."""
+        pfx = (prefix or "").encode("utf-8")
+        for partition in range(self.partitions):
+            after = None
+            while chunk := self._scan(partition, pfx, after):
+                yield from (k.decode("utf-8") for k in chunk)
+                if len(chunk) < self._scan_chunk:
+                    break
+                after = chunk[-1]
 
     async def amget(self, keys: Sequence[str]) -> list[bytes | None]:
         return await asyncio.to_thread(self.mget, keys)
@@ -329,34 +421,38 @@ class LmdbByteStore(CacheStore):
         await asyncio.to_thread(self.mdelete, keys)
 
     async def ayield_keys(self, *, prefix: str | None = None) -> AsyncIterator[str]:
-        pfx, after = (prefix or "").encode("utf-8"), None
-        while chunk := await asyncio.to_thread(self._scan, pfx, after):
-            for key in chunk:
-                yield key.decode("utf-8")
-            if len(chunk) < self._scan_chunk:
-                return
-            after = chunk[-1]
+        pfx = (prefix or "").encode("utf-8")
+        for partition in range(self.partitions):
+            after = None
+            while chunk := await asyncio.to_thread(self._scan, partition, pfx, after):
+                for key in chunk:
+                    yield key.decode("utf-8")
+                if len(chunk) < self._scan_chunk:
+                    break
+                after = chunk[-1]
 
     @property
     def entries(self) -> int:
-        return int(self._env.stat()["entries"])
+        return sum(int(env.stat()["entries"]) for env in self._envs)
 
     def info(self) -> dict[str, Any]:
         try:
-            info, stat = self._env.info(), self._env.stat()
+            infos = [(env.info(), env.stat()) for env in self._envs]
         except lmdb.Error:
             return {"kind": self.kind, "closed": True}
         return {
             "kind": self.kind,
             "path": str(self.path),
-            "entries": stat["entries"],
-            "bytes": (info["last_pgno"] + 1) * stat["psize"],
-            "map_size": info["map_size"],
+            "partitions": self.partitions,
+            "entries": sum(stat["entries"] for _, stat in infos),
+            "bytes": sum((info["last_pgno"] + 1) * stat["psize"] for info, stat in infos),
+            "map_size": sum(info["map_size"] for info, _ in infos),
         }
 
     def _sync_every(self, seconds: float) -> None:
         while not self._stop_syncing.wait(seconds):
-            self._env.sync(True)
+            for env in self._envs:
+                env.sync(True)
             self.syncs += 1
 
     def close(self) -> None:
@@ -365,9 +461,10 @@ class LmdbByteStore(CacheStore):
             self._stop_syncing.set()
             if self._syncer is not None:
                 self._syncer.join()
-            self._env.sync(True)  # everything on disk: the last one out may mark it clean
-            self._env.close()
-            self._guard.release(synced=True)
+            for env, guard in zip(self._envs, self._guards, strict=True):
+                env.sync(True)  # everything on disk: the last one out may mark it clean
+                env.close()
+                guard.release(synced=True)
 
 
 class TieredByteStore(CacheStore):
@@ -662,6 +759,34 @@ class TieredByteStore(CacheStore):
             await self.store.aclose()
 
 
+def _layout(path: Path, partitions: int) -> int:
+    """How many partitions the store in ``path`` has: as many as it was made with (recorded
+    in its ``partitions`` file by the first process that opened it; a directory with a
+    ``data.mdb`` and no such file is a cache made before partitions, one environment), else
+    ``partitions``, recorded now. A count asked of a directory made with another is said in
+    the log (the layout of a cache with entries never changes under its readers)."""
+    if partitions < 1:
+        raise ValueError(f"an LMDB store needs at least 1 partition, got {partitions}")
+    recorded = path / LAYOUT_FILE
+    if not recorded.exists() and (path / "data.mdb").exists():
+        return 1
+    tmp = path / f"{LAYOUT_FILE}.{os.getpid()}.{threading.get_ident()}"
+    with tmp.open("w") as out:
+        out.write(f"{partitions}\n")
+        out.flush()
+        os.fsync(out.fileno())
+    try:
+        os.link(tmp, recorded)  # atomic: the first of several processes opening it decides
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink()
+    made = int(recorded.read_text())
+    if made != partitions and partitions > 1:  # an operator's count that cannot apply
+        log.warning("%s: %d LMDB partitions, as it was made (%d asked)", path, made, partitions)
+    return made
+
+
 def fsync_options(every_s: float) -> dict[str, Any]:
     """``LmdbByteStore``'s ``sync`` and ``sync_every_s`` for ``FLEETCACHE_LMDB_FSYNC_EVERY_S``
     (0: an fsync at every commit)."""
@@ -675,6 +800,7 @@ def build_store(
     data_dir: Path | str | None = None,
     map_size: int = 4 * GiB,
     lmdb_fsync_every_s: float = 0.0,
+    lmdb_partitions: int = 1,
     redis_url: str | None = None,
     redis_prefix: str = "fc:",
     redis_ttl_s: float | None = None,
@@ -683,8 +809,9 @@ def build_store(
 ) -> TieredByteStore:
     """The tiered store for ``FLEETCACHE_STORE``: ``memory`` | ``lmdb`` | ``redis``.
 
-    LMDB lives in ``data_dir / "cache.lmdb"``, with an fsync at every commit, or without
-    (``lmdb_fsync_every_s`` > 0: an fsync that often; ``LmdbByteStore``); Redis at
+    LMDB lives in ``data_dir / "cache.lmdb"`` (in ``lmdb_partitions`` environments when the
+    directory is new), with an fsync at every commit, or without (``lmdb_fsync_every_s`` >
+    0: an fsync that often; ``LmdbByteStore``); Redis at
     ``redis_url`` under ``redis_prefix``.
     """
     memory = MemoryByteStore(memory_bytes)
@@ -695,7 +822,10 @@ def build_store(
         if data_dir is None:
             raise ValueError("store kind 'lmdb' needs a data_dir")
         store = LmdbByteStore(
-            Path(data_dir) / "cache.lmdb", map_size, **fsync_options(lmdb_fsync_every_s)
+            Path(data_dir) / "cache.lmdb",
+            map_size,
+            partitions=lmdb_partitions,
+            **fsync_options(lmdb_fsync_every_s),
         )
     elif kind == "redis":
         if not redis_url:

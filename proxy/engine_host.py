@@ -383,6 +383,7 @@ async def shared_tier(settings: Settings) -> AsyncIterator[TieredByteStore]:
             settings.lmdb_path,
             map_size,
             fsync_every_s=settings.lmdb_fsync_every_s,
+            partitions=settings.lmdb_partitions,
             log_level=level,
         )
         tier = stores.TieredByteStore(stores.MemoryByteStore(0), await writer.start())
@@ -393,6 +394,7 @@ async def shared_tier(settings: Settings) -> AsyncIterator[TieredByteStore]:
             data_dir=settings.data_dir,
             map_size=map_size,
             lmdb_fsync_every_s=settings.lmdb_fsync_every_s,
+            lmdb_partitions=settings.lmdb_partitions,
             redis_url=settings.redis_url,
         )
     try:

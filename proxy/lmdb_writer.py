@@ -28,9 +28,18 @@ new text on the 2-core box (``bench/engine_bench.py --writer process``), 19-21 t
 H200; one message a turn instead of one a call, 10.7 to 9.8 on the 2-core box.
 The first form (a message per write-back, encoded, 2026-12-01) served less than the thread.
 
+A partitioned store (``FLEETCACHE_LMDB_PARTITIONS``, ``LmdbByteStore``) gets one writer
+process a partition below the child (``PartitionWriters``): the child encodes and checks as
+above, then sends each partition's entries to its writer (the links of all first, then the
+rest: ``cache.stores.POINTER_PREFIX``), and each commits its own with its own fsync, beside
+the others. Threads of one process could not (``LmdbByteStore``); processes on the H200's
+disk took 4-5x one environment's entries a second with 8 (docs/BENCHMARKS.md).
+
 The child dies with the engine process (PDEATHSIG) and the engine starts another on the next
-write after it exited; a write it does not acknowledge raises here, where the tiers count it
-like any store error (the vectors are computed again next time, the request is served).
+write after it exited (a partition's writer, likewise, dies with the child, and the child
+starts another on the next write to that partition); a write it does not acknowledge raises
+here, where the tiers count it like any store error (the vectors are computed again next
+time, the request is served).
 """
 
 from __future__ import annotations
@@ -49,7 +58,7 @@ from typing import Any
 import numpy as np
 
 from cache.codec import RowEntries
-from cache.stores import GiB, LmdbByteStore, fsync_options
+from cache.stores import POINTER_PREFIX, GiB, LmdbByteStore, fsync_options
 from proxy.ipc import Handler, RpcClient, RpcServer, error_payload, payload_error
 
 log = logging.getLogger("fleetcache.engine")
@@ -68,9 +77,11 @@ class LmdbWriterStore(LmdbByteStore):
         map_size: int = 4 * GiB,
         *,
         fsync_every_s: float = 0.0,
+        partitions: int = 1,
         log_level: str = "info",
     ):
-        super().__init__(path, map_size, **fsync_options(fsync_every_s))
+        # the child opens the directory as this made it (``LmdbByteStore``: its layout file)
+        super().__init__(path, map_size, partitions=partitions, **fsync_options(fsync_every_s))
         self._map_size = map_size
         self._fsync_every_s = fsync_every_s
         self._log_level = log_level
@@ -196,20 +207,96 @@ def writer_main(
 ) -> None:
     from proxy.processes import become_child
 
-    become_child("writer", log_level)  # dies with the engine process
-    asyncio.run(_writer(path, map_size, fsync_every_s, address))
+    become_child("writer", log_level)  # dies with the engine process (or its writer child)
+    asyncio.run(_writer(path, map_size, fsync_every_s, address, log_level))
 
 
-async def _writer(path: str, map_size: int, fsync_every_s: float, address: str) -> None:
+class PartitionWriters:
+    """The writer processes of a partitioned ``store``, one a partition (each a
+    ``writer_main`` on its partition's environment, with its own group commit), started by
+    the writer child that opened ``store``."""
+
+    def __init__(
+        self, store: LmdbByteStore, fsync_every_s: float, address: str, log_level: str
+    ) -> None:
+        self._store = store
+        self._args = [
+            (str(directory), store.partition_map_size, fsync_every_s, f"{address}-p{i}", log_level)
+            for i, directory in enumerate(store.directories)
+        ]
+        self._processes: list[BaseProcess] = []
+        self._clients: list[RpcClient] = []
+        self.starts = 0
+
+    async def start(self, timeout_s: float = 30.0) -> PartitionWriters:
+        # The engine started this child as a daemon (it is terminated with the engine), and
+        # multiprocessing lets no daemon start processes; the flag means nothing else here.
+        multiprocessing.current_process().daemon = False
+        for i, args in enumerate(self._args):
+            self._processes.append(self._spawn(args))
+            client = RpcClient(args[3], role="writer", service=f"LMDB partition {i} writer")
+            self._clients.append(await client.start())
+        for client in self._clients:
+            if not await client.wait_up(timeout_s):
+                raise RuntimeError(f"the LMDB partition writers did not answer in {timeout_s} s")
+        return self
+
+    def _spawn(self, args: tuple[str, int, float, str, str]) -> BaseProcess:
+        process = multiprocessing.get_context("spawn").Process(
+            target=writer_main, args=args, name="fleetcache-writer-partition", daemon=True
+        )
+        process.start()
+        self.starts += 1
+        return process
+
+    async def amset(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """Each partition's share of ``items`` to its writer, all at once: the links first
+        (``POINTER_PREFIX``), the rest once they are committed."""
+        link = POINTER_PREFIX.decode()
+        for phase in ([e for e in items if e[0].startswith(link)],
+                      [e for e in items if not e[0].startswith(link)]):  # fmt: skip
+            parts: dict[int, list[tuple[str, bytes]]] = {}
+            for key, value in phase:
+                parts.setdefault(self._store.partition_of(key.encode()), []).append((key, value))
+            await asyncio.gather(*(self._write(i, part) for i, part in parts.items()))
+
+    async def _write(self, partition: int, items: list[tuple[str, bytes]]) -> None:
+        if self._processes[partition].exitcode is not None:  # killed: another, as the engine
+            log.warning("the writer of LMDB partition %d exited; starting another", partition)
+            self._processes[partition] = self._spawn(self._args[partition])
+            await self._clients[partition].wait_up(WRITE_TIMEOUT_S)
+        await self._clients[partition].call(
+            "mset", [_joined(items)], **_cut(items), timeout_s=WRITE_TIMEOUT_S
+        )
+
+    async def aclose(self) -> None:
+        for client in self._clients:
+            await client.close()
+        for process in self._processes:
+            if process.exitcode is None:
+                process.terminate()  # commits what it holds, then exits
+        for process in self._processes:
+            await asyncio.to_thread(process.join, 10.0)
+            if process.exitcode is None:
+                process.kill()
+
+
+async def _writer(
+    path: str, map_size: int, fsync_every_s: float, address: str, log_level: str
+) -> None:
     from proxy.processes import serve_until_stopped
 
     store = LmdbByteStore(path, map_size, **fsync_options(fsync_every_s))
+    partitions = None
+    if store.partitions > 1:
+        partitions = await PartitionWriters(store, fsync_every_s, address, log_level).start()
+    write = store.amset if partitions is None else partitions.amset
 
     async def ping(message: dict[str, Any], blobs: list[Any]) -> tuple[dict[str, Any], tuple[()]]:
         return {"pid": os.getpid()}, ()
 
     async def mset(message: dict[str, Any], blobs: list[Any]) -> tuple[dict[str, Any], tuple[()]]:
-        await store.amset(_split(message, blobs[0].bytes))
+        await write(_split(message, blobs[0].bytes))
         return {}, ()
 
     async def mset_rows(
@@ -238,13 +325,15 @@ async def _writer(path: str, map_size: int, fsync_every_s: float, address: str) 
                 continue
             entries += call
             errors.append(None)
-        await store.amset(entries)  # a failed commit fails every call of the message
+        await write(entries)  # a failed commit fails every call of the message
         return {"errors": errors}, ()
 
     handlers: dict[str, Handler] = {"ping": ping, "mset": mset, "mset_rows": mset_rows}
     try:
         await serve_until_stopped(RpcServer(address, handlers))
     finally:
+        if partitions is not None:
+            await partitions.aclose()
         store.close()
 
 

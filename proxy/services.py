@@ -242,6 +242,7 @@ def build_tiers(settings: Settings) -> TieredByteStore:
         data_dir=settings.data_dir,
         map_size=int(settings.lmdb_map_size_gb * 2**30),
         lmdb_fsync_every_s=settings.lmdb_fsync_every_s,
+        lmdb_partitions=settings.lmdb_partitions,
         redis_url=settings.redis_url,
     )
 

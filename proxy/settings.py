@@ -98,6 +98,13 @@ class Settings(BaseSettings):
     data_dir: Path = Path("./data")
     memory_cache_mb: float = Field(256.0, ge=0.0, description="tier-1 LRU size")
     lmdb_map_size_gb: float = Field(8.0, gt=0.0)
+    lmdb_partitions: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="LMDB environments the cache's keys are spread over, each with its own "
+        "writer and fsync (a new data dir only: one made keeps its count)",
+    )
     lmdb_fsync_every_s: float = Field(
         0.0,
         ge=0.0,

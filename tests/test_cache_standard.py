@@ -74,6 +74,12 @@ class _Lmdb(_Values):
         yield from _open(LmdbByteStore(tmp_path / "db", 64 * MiB))
 
 
+class _PartitionedLmdb(_Values):
+    @pytest.fixture
+    def kv_store(self, tmp_path: Path) -> Iterator[BaseStore[str, bytes]]:
+        yield from _open(LmdbByteStore(tmp_path / "db", 64 * MiB, partitions=4, scan_chunk=2))
+
+
 class _TieredLmdb(_Values):
     @pytest.fixture
     def kv_store(self, tmp_path: Path) -> Iterator[BaseStore[str, bytes]]:
@@ -110,6 +116,15 @@ class TestLmdbSync(_Lmdb, BaseStoreSyncTests[bytes]):
 
 @pytest.mark.anyio
 class TestLmdbAsync(_Lmdb, BaseStoreAsyncTests[bytes]):
+    pass
+
+
+class TestPartitionedLmdbSync(_PartitionedLmdb, BaseStoreSyncTests[bytes]):
+    pass
+
+
+@pytest.mark.anyio
+class TestPartitionedLmdbAsync(_PartitionedLmdb, BaseStoreAsyncTests[bytes]):
     pass
 
 

@@ -25,6 +25,7 @@ FACTORIES: dict[str, StoreFactory] = {
     "memory": lambda _: MemoryByteStore(MiB),
     "lmdb": lambda p: LmdbByteStore(p / "db", 64 * MiB),
     "lmdb-small-scan-chunks": lambda p: LmdbByteStore(p / "db", 64 * MiB, scan_chunk=2),
+    "lmdb-partitioned": lambda p: LmdbByteStore(p / "db", 64 * MiB, partitions=3, scan_chunk=2),
     "tiered-memory-lmdb": lambda p: TieredByteStore(
         MemoryByteStore(MiB), LmdbByteStore(p / "db", 64 * MiB)
     ),
@@ -179,6 +180,96 @@ def test_lmdb_without_fsync_still_works(tmp_path: Path) -> None:
     db.mset([("k", b"v")])
     assert db.mget(["k"]) == [b"v"]
     db.close()
+
+
+PARTITIONED = [(f"t1-ns:{i:064x}", bytes([i % 251]) * 100) for i in range(400)]
+
+
+def test_a_partitioned_store_spreads_its_keys_and_keeps_its_layout(tmp_path: Path) -> None:
+    """Its entries live across its partitions' environments, and a later open, whatever it
+    asks, reads it as it was made (all the server's processes must agree where a key is)."""
+    made = LmdbByteStore(tmp_path / "db", 64 * MiB, partitions=4)
+    made.mset(PARTITIONED)
+    counts = [int(env.stat()["entries"]) for env in made._envs]
+    assert len(counts) == 4 and min(counts) > 50 and sum(counts) == len(PARTITIONED)
+    assert made.info()["partitions"] == 4 and made.info()["entries"] == len(PARTITIONED)
+    made.close()
+    other = LmdbByteStore(tmp_path / "db", 64 * MiB, partitions=2)
+    assert other.partitions == 4
+    assert other.mget([k for k, _ in PARTITIONED]) == [v for _, v in PARTITIONED]
+    other.mdelete([k for k, _ in PARTITIONED[:100]])
+    assert sorted(other.yield_keys(prefix="t1-ns:")) == sorted(k for k, _ in PARTITIONED[100:])
+    other.close()
+    again = LmdbByteStore(tmp_path / "db", 64 * MiB, partitions=1)
+    assert again.partitions == 4 and again.entries == len(PARTITIONED) - 100
+    again.close()
+
+
+def test_a_cache_made_as_one_environment_stays_one(tmp_path: Path) -> None:
+    """A data dir from before partitions (a ``data.mdb`` of its own) keeps its entries."""
+    old = LmdbByteStore(tmp_path / "db", 64 * MiB)
+    old.mset(PARTITIONED[:10])
+    old.close()
+    (tmp_path / "db" / "partitions").unlink()  # as a cache made before the file was
+    reopened = LmdbByteStore(tmp_path / "db", 64 * MiB, partitions=8)
+    assert reopened.partitions == 1
+    assert reopened.mget([k for k, _ in PARTITIONED[:10]]) == [v for _, v in PARTITIONED[:10]]
+    reopened.close()
+
+
+def test_links_are_written_before_and_deleted_after_what_they_point_at(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Across partitions a group is not one transaction: a failure between them leaves a
+    link to nothing (a miss, computed again), never a vector that no link points at (which
+    ``DELETE /v1/cache/entities`` could not find)."""
+    store = LmdbByteStore(tmp_path / "db", 64 * MiB, partitions=4)
+    vectors = PARTITIONED[:40]
+    links = [(f"link:ns:driver:d{i}", key.encode()) for i, (key, _) in enumerate(vectors)]
+    real_put, real_delete = store._put, store._delete
+
+    def put_links_only(partition: int, items: Sequence[tuple[bytes, bytes]]) -> None:
+        if not all(k.startswith(b"link:") for k, _ in items):
+            raise OSError("the disk failed")
+        real_put(partition, items)
+
+    monkeypatch.setattr(store, "_put", put_links_only)
+    with pytest.raises(OSError):
+        store.mset([*vectors, *links])  # one group, the links last in it
+    assert store.mget([k for k, _ in links]) == [v for _, v in links]
+    assert store.mget([k for k, _ in vectors]) == [None] * len(vectors)
+    monkeypatch.setattr(store, "_put", real_put)
+    store.mset([*vectors, *links])
+
+    def delete_vectors_only(partition: int, keys: Sequence[bytes]) -> None:
+        if any(k.startswith(b"link:") for k in keys):
+            raise OSError("the disk failed")
+        real_delete(partition, keys)
+
+    monkeypatch.setattr(store, "_delete", delete_vectors_only)
+    with pytest.raises(OSError):
+        store.mdelete([k for k, _ in links] + [k for k, _ in vectors])
+    assert store.mget([k for k, _ in vectors]) == [None] * len(vectors)
+    assert store.mget([k for k, _ in links]) == [v for _, v in links]
+    store.close()
+
+
+def test_a_partitioned_store_without_fsync_empties_every_partition_after_an_os_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cache import boot
+
+    crashed = LmdbByteStore(tmp_path / "db", 64 * MiB, partitions=3, sync=False)
+    crashed.mset(PARTITIONED)  # the OS goes down with it open: it never closes
+    monkeypatch.setattr(boot, "current_boot_id", lambda: "a-boot-after-a-crash")
+    store = LmdbByteStore(tmp_path / "db", 64 * MiB, partitions=3, sync=False)
+    assert store.emptied_at_open and store.entries == 0
+    store.close()
+
+
+def test_a_partitioned_store_needs_a_partition(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="at least 1 partition"):
+        LmdbByteStore(tmp_path / "db", 64 * MiB, partitions=0)
 
 
 # -- TieredByteStore ---------------------------------------------------------------------

@@ -82,6 +82,75 @@ def test_a_killed_writer_is_replaced_on_the_next_write(tmp_path: Path) -> None:
     run(main())
 
 
+def _children(pid: int) -> list[int]:
+    return [
+        int(child)
+        for task in Path(f"/proc/{pid}/task").iterdir()
+        for child in (task / "children").read_text().split()
+    ]
+
+
+def test_a_partitioned_store_is_written_by_a_process_a_partition(tmp_path: Path) -> None:
+    """Each partition's entries are committed by a writer process of its own below the
+    child (one environment a process: LMDB's one writer and its fsync each), vectors and
+    links alike; a killed partition writer is replaced on the next write to it."""
+    path = tmp_path / "cache.lmdb"
+    matrix = np.random.default_rng(3).standard_normal((64, 16)).astype(np.float32)
+    keys = [f"t1-x:{i:04d}" for i in range(64)]
+    links = [(f"link:x:driver:d{i}", key.encode()) for i, key in enumerate(keys)]
+
+    async def main() -> None:
+        store = await LmdbWriterStore(path, partitions=4).start()
+        try:
+            assert store.pid is not None
+            writers = _children(store.pid)
+            assert len(writers) == 4 and store.pid not in writers
+            await store.amset_rows(RowEntries(keys, matrix), links)
+            await store.amset([("plain", b"1")])
+            encoded = codec.encode_many(matrix, "float32", expires_at=[None] * 64)
+            assert store.mget([*keys, "plain"]) == [*encoded, b"1"]
+            assert store.mget([k for k, _ in links]) == [v for _, v in links]
+            assert [int(env.stat()["entries"]) > 20 for env in store._envs] == [True] * 4
+            os.kill(writers[0], signal.SIGKILL)
+            await asyncio.sleep(0.3)
+            more = [(f"after-{i}", b"2") for i in range(40)]  # some in every partition
+            await store.amset(more)
+            assert store.mget([k for k, _ in more]) == [b"2"] * 40
+            assert len(_children(store.pid)) == 4 and writers[0] not in _children(store.pid)
+        finally:
+            await store.aclose()
+
+    run(main())
+    reopened = LmdbByteStore(path)
+    assert reopened.partitions == 4 and reopened.entries == 64 * 2 + 1 + 40
+    reopened.close()
+
+
+def test_partition_writers_commit_the_links_before_the_rest(tmp_path: Path) -> None:
+    """No write of a vector starts before every link of its call is committed (a crash
+    between them leaves a link to nothing, never a vector no link points at)."""
+    from proxy.lmdb_writer import PartitionWriters
+
+    store = LmdbByteStore(tmp_path / "db", partitions=3)
+    writers = PartitionWriters(store, 0.0, "ipc://@unused", "info")
+    log: list[tuple[str, bool]] = []
+
+    async def write(partition: int, items: list[tuple[str, bytes]]) -> None:
+        log.append(("start", items[0][0].startswith("link:")))
+        await asyncio.sleep(0.01)
+        log.append(("end", items[0][0].startswith("link:")))
+
+    writers._write = write  # type: ignore[method-assign]
+    entries = [(f"t1-x:{i}", b"v") for i in range(30)]
+    entries += [(f"link:x:driver:{i}", b"k") for i in range(30)]
+    run(writers.amset(entries))
+    first_vector = log.index(("start", False))
+    assert log[:first_vector] and all(is_link for _, is_link in log[:first_vector])
+    assert ("end", True) not in log[first_vector:]
+    assert sum(1 for event in log if event == ("start", False)) == 3  # each partition's share
+    store.close()
+
+
 @pytest.mark.parametrize(
     ("setting", "cores", "expected"),
     [
