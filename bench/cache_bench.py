@@ -6,7 +6,9 @@ embeds the texts again in requests of 1,000 and the time of every request is rec
 - ``stock``: ``CacheBackedEmbeddings.from_bytes_store(underlying, LocalFileStore(tmp),
   namespace=..., key_encoder="sha256")`` (JSON values, one file per key), ``embed_documents``;
 - ``memory``: ``CachedEmbedder.aembed`` over a warm memory tier;
-- ``lmdb``: memory tier of size 0 in front of LMDB (every lookup reaches LMDB);
+- ``lmdb``: memory tier of size 0 in front of LMDB (every lookup reaches LMDB), one
+  environment and 8 partitions (``FLEETCACHE_LMDB_PARTITIONS``: a read transaction a
+  partition a request touches);
 - ``redis``: memory tier of size 0 in front of Redis (``RedisByteStore``, async forms on its
   thread pool);
 - ``redis-asyncio``: the same with ``amget`` through ``redis.asyncio`` instead, to compare the
@@ -230,6 +232,10 @@ def main() -> None:
                     "LMDB only (memory 0)": lambda t=tmp: TieredByteStore(
                         MemoryByteStore(0), LmdbByteStore(t / "lmdb", 4 << 30, sync=False)
                     ),
+                    "LMDB in 8 partitions only (memory 0)": lambda t=tmp: TieredByteStore(
+                        MemoryByteStore(0),
+                        LmdbByteStore(t / "lmdb8", 4 << 30, sync=False, partitions=8),
+                    ),
                     "Redis only (memory 0)": lambda: TieredByteStore(
                         MemoryByteStore(0), RedisByteStore(url, socket_timeout_s=5.0)
                     ),
@@ -241,7 +247,8 @@ def main() -> None:
                     flush.flushdb()
                     ms, per_entry = run_ours(make, texts, args.runs)
                     if name.startswith("LMDB"):
-                        per_entry = dir_bytes(tmp / "lmdb") / n  # as allocated on disk
+                        lmdb_dir = tmp / ("lmdb8" if "partitions" in name else "lmdb")
+                        per_entry = dir_bytes(lmdb_dir) / n  # as allocated on disk
                     results[name] = (ms, per_entry, args.runs)
                 for name, (ms, per_entry, runs) in results.items():
                     rows.append((n, name, runs, *summarize(ms), per_entry))

@@ -369,6 +369,27 @@ def lmdb_writer(settings: Settings, cores: int | None = None) -> str:
     return "process" if (cores or usable_cores()) >= WRITER_CHILD_CORES else "thread"
 
 
+AUTO_PARTITIONS = 8
+
+
+def lmdb_partitions(settings: Settings, cores: int | None = None) -> int:
+    """How many LMDB environments a new data dir's cache gets (``LmdbByteStore``; a data dir
+    keeps the count it was made with). ``auto``: ``AUTO_PARTITIONS`` where the engine's writes
+    run in a writer child (``lmdb_writer``), which then starts a writer process a partition;
+    1 with the thread, which writes them one after another (on the 2-core box 4 served the
+    same new texts as 1: 18,560 and 19,347 against 19,315 and 18,838/s). Measured on
+    the H200 machine's disk (docs/BENCHMARKS.md, 2026-12-03): 8 environments with a writer
+    process each took 4.1-4.9x the new entries a second of one (``bench/lmdb_write_bench.py``),
+    and the server served 1.78x and 1.41x the new texts with 8 (68,768 and 56,522 against
+    38,678 and 40,061/s, in turns), 2-3% of its engine calls waiting for the store against
+    22-24%; a warm-up job the same (11,524-11,863 features/s both: the store does not bound
+    it). Reads pay a read transaction a partition: +2% on lookups of 1,000 texts from LMDB
+    (``bench/cache_bench.py``, 2-core box)."""
+    if settings.lmdb_partitions != "auto":
+        return settings.lmdb_partitions
+    return AUTO_PARTITIONS if lmdb_writer(settings, cores) == "process" else 1
+
+
 @contextlib.asynccontextmanager
 async def shared_tier(settings: Settings) -> AsyncIterator[TieredByteStore]:
     """The shared tier alone (no memory tier): what the engine process writes rows to; LMDB's
@@ -383,7 +404,7 @@ async def shared_tier(settings: Settings) -> AsyncIterator[TieredByteStore]:
             settings.lmdb_path,
             map_size,
             fsync_every_s=settings.lmdb_fsync_every_s,
-            partitions=settings.lmdb_partitions,
+            partitions=lmdb_partitions(settings),
             log_level=level,
         )
         tier = stores.TieredByteStore(stores.MemoryByteStore(0), await writer.start())
@@ -394,7 +415,7 @@ async def shared_tier(settings: Settings) -> AsyncIterator[TieredByteStore]:
             data_dir=settings.data_dir,
             map_size=map_size,
             lmdb_fsync_every_s=settings.lmdb_fsync_every_s,
-            lmdb_partitions=settings.lmdb_partitions,
+            lmdb_partitions=lmdb_partitions(settings),
             redis_url=settings.redis_url,
         )
     try:

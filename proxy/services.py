@@ -47,6 +47,7 @@ from proxy.engine_host import (
     RemoteEngine,
     cache_namespace,
     engine_name,
+    lmdb_partitions,
     open_engine_host,
 )
 from proxy.index_host import IndexService, RemoteIndex, open_index_host
@@ -242,7 +243,7 @@ def build_tiers(settings: Settings) -> TieredByteStore:
         data_dir=settings.data_dir,
         map_size=int(settings.lmdb_map_size_gb * 2**30),
         lmdb_fsync_every_s=settings.lmdb_fsync_every_s,
-        lmdb_partitions=settings.lmdb_partitions,
+        lmdb_partitions=lmdb_partitions(settings),
         redis_url=settings.redis_url,
     )
 

@@ -10,7 +10,7 @@ import errno
 import os
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -98,12 +98,11 @@ class Settings(BaseSettings):
     data_dir: Path = Path("./data")
     memory_cache_mb: float = Field(256.0, ge=0.0, description="tier-1 LRU size")
     lmdb_map_size_gb: float = Field(8.0, gt=0.0)
-    lmdb_partitions: int = Field(
-        1,
-        ge=1,
-        le=64,
-        description="LMDB environments the cache's keys are spread over, each with its own "
-        "writer and fsync (a new data dir only: one made keeps its count)",
+    lmdb_partitions: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = Field(
+        "auto",
+        description="LMDB environments a new data dir's cache is spread over, each with its "
+        "own writer process and fsync (auto: 8 where lmdb_writer is a process, else 1; a "
+        "data dir keeps the count it was made with)",
     )
     lmdb_fsync_every_s: float = Field(
         0.0,

@@ -17,7 +17,7 @@ from cache import codec
 from cache.codec import RowEntries
 from cache.stores import LmdbByteStore, MemoryByteStore, TieredByteStore
 from cache.writer import VectorWriter
-from proxy.engine_host import lmdb_writer, shared_tier
+from proxy.engine_host import lmdb_partitions, lmdb_writer, shared_tier
 from proxy.lmdb_writer import LmdbWriterStore
 from proxy.settings import Settings
 
@@ -181,6 +181,42 @@ def test_the_engine_store_writes_where_the_setting_says(tmp_path: Path, setting:
             assert child == (lmdb_writer(settings) == "process")
             await tier.amset([("k", b"v")])
             assert await tier.amget(["k"]) == [b"v"]
+
+    run(main())
+
+
+@pytest.mark.parametrize(
+    ("partitions", "writer", "cores", "expected"),
+    [
+        ("auto", "auto", 2, 1),  # the 2-core box: the thread writes them one after another
+        ("auto", "auto", 16, 8),  # the H200 machine: a writer process a partition
+        ("auto", "thread", 16, 1),
+        ("auto", "process", 2, 8),
+        (3, "thread", 16, 3),
+    ],
+)
+def test_a_new_caches_partitions_follow_the_setting_and_the_writer(
+    partitions: object, writer: str, cores: int, expected: int
+) -> None:
+    settings = Settings(lmdb_partitions=partitions, lmdb_writer=writer)  # type: ignore[arg-type]
+    assert lmdb_partitions(settings, cores) == expected
+
+
+def test_the_engine_and_the_workers_share_one_partitioned_cache(tmp_path: Path) -> None:
+    """The engine's writer child writes the partitions the setting asked of a new data dir,
+    and a worker's tiers (built by ``build_tiers``) read them."""
+    from proxy.services import build_tiers
+
+    settings = Settings(store="lmdb", data_dir=tmp_path, lmdb_writer="process", lmdb_partitions=4)
+
+    async def main() -> None:
+        async with shared_tier(settings) as tier:
+            assert isinstance(tier.store, LmdbWriterStore) and tier.store.partitions == 4
+            await tier.amset([(f"k{i}", b"v") for i in range(20)])
+        worker = build_tiers(Settings(store="lmdb", data_dir=tmp_path, lmdb_partitions=1))
+        assert isinstance(worker.store, LmdbByteStore) and worker.store.partitions == 4
+        assert worker.mget([f"k{i}" for i in range(20)]) == [b"v"] * 20
+        worker.close()
 
     run(main())
 
