@@ -351,6 +351,15 @@ STAGES = {  # the histograms of a miss's way, as /metrics names them: (name, lab
 }
 
 
+WARMUP_STAGES = {  # the same histograms while a job runs alone: its calls are the only ones
+    ("fleetcache_request_stage_duration_seconds", 'stage="engine_call"'): "engine call (shard)",
+    ("fleetcache_request_stage_duration_seconds", 'stage="engine_embed"'): "engine embed (engine)",
+    ("fleetcache_lane_queue_wait_seconds", 'lane="warmup"'): "warm-up lane queue wait",
+    ("fleetcache_engine_stage_duration_seconds", 'stage="forward"'): "batch: forward",
+    ("fleetcache_engine_batch_size_texts", ""): "batch size (texts, not ms)",
+}
+
+
 def histograms(exposition: str) -> dict[tuple[str, str], list[float]]:
     """``{(histogram, labels): [sum, count]}`` of a /metrics text (fleetcache's own)."""
     found: dict[tuple[str, str], list[float]] = {}
@@ -366,15 +375,17 @@ STORE_WAITS = re.compile(r"^fleetcache_cache_store_waits_total(?:\{[^}]*\})? (\S
 WAITED = "engine calls that waited for the store (%, not ms)"
 
 
-def stage_means(before_text: str, after_text: str) -> dict[str, tuple[float, float]]:
-    """Mean of each ``STAGES`` histogram over what was observed between two /metrics scrapes
+def stage_means(
+    before_text: str, after_text: str, stages: dict[tuple[str, str], str] = STAGES
+) -> dict[str, tuple[float, float]]:
+    """Mean of each ``stages`` histogram over what was observed between two /metrics scrapes
     (ms, or texts for the batch size), with its count: a label set matches when it holds
     the wanted label (a route's, say). Then ``WAITED``: the share of miss requests whose
     engine call waited for the store to catch up (``FLEETCACHE_MAX_UNWRITTEN``: the store is
-    then what bounds new texts), with their count."""
+    then what bounds new texts), with their count (of the engine calls without requests)."""
     before, after = histograms(before_text), histograms(after_text)
     means: dict[str, tuple[float, float]] = {}
-    for (name, wanted), row in STAGES.items():
+    for (name, wanted), row in stages.items():
         total = count = 0.0
         for (found, labels), (s, c) in after.items():
             if found == name and wanted in labels:
@@ -384,7 +395,7 @@ def stage_means(before_text: str, after_text: str) -> dict[str, tuple[float, flo
         means[row] = (total / count * scale if count else 0.0, count)
     waited = sum(map(float, STORE_WAITS.findall(after_text)))
     waited -= sum(map(float, STORE_WAITS.findall(before_text)))
-    requests = means["miss request (worker)"][1]
+    requests = means.get("miss request (worker)", means.get("engine call (shard)", (0, 0)))[1]
     means[WAITED] = (100.0 * waited / requests if requests else 0.0, waited)
     return means
 
@@ -633,8 +644,10 @@ def measure_warmup(args: argparse.Namespace, server: Server, wrk: Wrk, out: Path
         if not path.exists():
             write_records(iter_fleet(args.warmup, seed=97 + seed), path)
     cpu = RoleCpu(server)
+    before = server.metrics()
     with profiled(args, server, out / f"profile-warmup-{server.workers}.txt", True), cpu:
         job = run_job(server, files[0])
+    stages = stage_means(before, server.metrics(), WARMUP_STAGES)
     paced = {"POOL": str(POOL), "FMT": "base64", "GAP_MS": str(LOOKUP_GAP_MS)}
     alone, during, beside = [], [], []
     for path in files[1:]:
@@ -654,6 +667,7 @@ def measure_warmup(args: argparse.Namespace, server: Server, wrk: Wrk, out: Path
         "lookup_p99_during_ms": during,
         "tokenizer_texts_per_s": tokenizer_ceiling(args, files[0]),
         "cpu": cpu.rows(job["indexed"]),
+        "stages": stages,
         "cpu_s": cpu.elapsed,
     }
 
@@ -858,6 +872,12 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
                 ["role", "CPU us a feature", "cores busy", "busiest main thread (of a core)"],
                 r["warmup"]["cpu"],
             )
+            print("the job alone's calls (means, ms; observed count):")
+            stages = r["warmup"]["stages"]
+            print_table(
+                ["layout", *stages],
+                [[r["layout"], *(f"{m:.2f} ({c:,.0f})" for m, c in stages.values())]],
+            )
 
 
 def idle_to_busy(idle: float, busy: float) -> str:
@@ -935,6 +955,9 @@ def main() -> None:
                 rows.append(measure_layout(args, workers, layout, wrk, out))
             except (Exception, SystemExit) as exc:  # report the layouts that did run
                 print(f"layout with {workers} workers failed: {exc!r}"[:4000], file=sys.stderr)
+                for log in out.glob(f"server-{workers}-*.log"):  # why, before a caller drops it
+                    said = [ln for ln in log.read_text().splitlines() if " INFO " not in ln]
+                    print(f"{log.name}, its last lines but INFO:", *said[-40:], sep="\n  ")
         report(rows, batcher, args)
         (out / "serve_bench.json").write_text(json.dumps({"rows": rows, "batcher": batcher}))
 

@@ -22,6 +22,7 @@ ROLES = (  # the first entry point found in a process's stacks names it
     ("device_main", "device child"),
     ("engine_main", "engine"),
     ("index_main", "index"),
+    ("writer_main", "LMDB writer"),
     ("worker_main", "worker"),
     ("demo_main", "demo loader"),
     ("run_job", "warm-up job"),
