@@ -93,7 +93,9 @@ class LmdbWriterStore(LmdbByteStore):
         self._sending: set[asyncio.Future[None]] = set()
         self.rows_messages = 0  # mset_rows messages sent (each holds one turn's calls)
 
-    async def start(self, timeout_s: float = 30.0) -> LmdbWriterStore:
+    async def start(self, timeout_s: float = 60.0) -> LmdbWriterStore:
+        """Start the child; it answers once it (and a partitioned store's writers, each given
+        up to 30 s) can write."""
         self._spawn()
         self._client = await RpcClient(self._address, role="engine", service="writer").start()
         if not await self._client.wait_up(timeout_s):
