@@ -270,25 +270,33 @@ class LmdbByteStore(CacheStore):
 
     def _by_partition(self, raw: Sequence[bytes]) -> dict[int, list[bytes]]:
         """Keys (valid ones only) grouped by the partition that holds them."""
-        parts: dict[int, list[bytes]] = {}
+        valid = [k for k in raw if 0 < len(k) <= self._max_key]
         n = self.partitions
-        for k in raw:
-            if 0 < len(k) <= self._max_key:
-                parts.setdefault(zlib.crc32(k) % n, []).append(k)  # partition_of, inlined
+        if n == 1:
+            return {0: valid}
+        parts: dict[int, list[bytes]] = {}
+        for k in valid:
+            parts.setdefault(zlib.crc32(k) % n, []).append(k)
         return parts
 
-    def partition_of(self, key: bytes) -> int:
-        return zlib.crc32(key) % self.partitions
+    def write_phases(self, raw: Sequence[bytes]) -> list[dict[int, list[int]]]:
+        """Where one write's keys ``raw`` go, as their positions by partition, in phases:
+        the links (``POINTER_PREFIX``) first, the rest once those are committed (a delete
+        takes them the other way round); one phase in a store of one environment, whose
+        single transaction is atomic."""
+        n = self.partitions
+        if n == 1:
+            return [{0: list(range(len(raw)))}]
+        phases: list[dict[int, list[int]]] = [{}, {}]
+        for j, k in enumerate(raw):
+            phase = phases[not k.startswith(POINTER_PREFIX)]
+            phase.setdefault(zlib.crc32(k) % n, []).append(j)
+        return phases
 
     def mget(self, keys: Sequence[str]) -> list[bytes | None]:
         raw = [k.encode("utf-8") for k in keys]
         found: dict[bytes, bytes] = {}
-        if self.partitions == 1:
-            valid = [k for k in raw if 0 < len(k) <= self._max_key]
-            parts = {0: valid}
-        else:
-            parts = self._by_partition(raw)
-        for i, part in parts.items():
+        for i, part in self._by_partition(raw).items():
             # getmulti looks all keys up in one C loop: ~3x faster than txn.get per key.
             with self._envs[i].begin() as txn, txn.cursor() as cur:
                 found.update(cur.getmulti(part))
@@ -298,17 +306,9 @@ class LmdbByteStore(CacheStore):
         if not key_value_pairs:
             return
         items = [(self._key(k), v) for k, v in key_value_pairs]
-        if self.partitions == 1:
-            self._put(0, items)
-            return
-        pointers = [(k, v) for k, v in items if k.startswith(POINTER_PREFIX)]
-        others = [(k, v) for k, v in items if not k.startswith(POINTER_PREFIX)]
-        for phase in (pointers, others):  # links first: see POINTER_PREFIX
-            parts: dict[int, list[tuple[bytes, bytes]]] = {}
-            for k, v in phase:
-                parts.setdefault(self.partition_of(k), []).append((k, v))
-            for i, part in parts.items():
-                self._put(i, part)
+        for phase in self.write_phases([k for k, _ in items]):
+            for i, positions in phase.items():
+                self._put(i, [items[j] for j in positions])
 
     def _put(self, partition: int, items: Sequence[tuple[bytes, bytes]]) -> None:
         with self._envs[partition].begin(write=True) as txn:
@@ -319,12 +319,10 @@ class LmdbByteStore(CacheStore):
     def mdelete(self, keys: Sequence[str]) -> None:
         if not keys:
             return
-        raw = [k.encode("utf-8") for k in keys]
-        pointers = [k for k in raw if k.startswith(POINTER_PREFIX)]
-        others = [k for k in raw if not k.startswith(POINTER_PREFIX)]
-        for phase in (others, pointers):  # links last: see POINTER_PREFIX
-            for i, part in self._by_partition(phase).items():
-                self._delete(i, part)
+        valid = [k for k in (k.encode("utf-8") for k in keys) if 0 < len(k) <= self._max_key]
+        for phase in reversed(self.write_phases(valid)):  # the links last
+            for i, positions in phase.items():
+                self._delete(i, [valid[j] for j in positions])
 
     def _delete(self, partition: int, keys: Sequence[bytes]) -> None:
         with self._envs[partition].begin(write=True) as txn:

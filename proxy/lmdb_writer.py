@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 
 from cache.codec import RowEntries
-from cache.stores import POINTER_PREFIX, GiB, LmdbByteStore, fsync_options
+from cache.stores import GiB, LmdbByteStore, fsync_options
 from proxy.ipc import Handler, RpcClient, RpcServer, error_payload, payload_error
 
 log = logging.getLogger("fleetcache.engine")
@@ -253,14 +253,10 @@ class PartitionWriters:
 
     async def amset(self, items: Sequence[tuple[str, bytes]]) -> None:
         """Each partition's share of ``items`` to its writer, all at once: the links first
-        (``POINTER_PREFIX``), the rest once they are committed."""
-        link = POINTER_PREFIX.decode()
-        for phase in ([e for e in items if e[0].startswith(link)],
-                      [e for e in items if not e[0].startswith(link)]):  # fmt: skip
-            parts: dict[int, list[tuple[str, bytes]]] = {}
-            for key, value in phase:
-                parts.setdefault(self._store.partition_of(key.encode()), []).append((key, value))
-            await asyncio.gather(*(self._write(i, part) for i, part in parts.items()))
+        (``LmdbByteStore.write_phases``), the rest once they are committed."""
+        for phase in self._store.write_phases([key.encode() for key, _ in items]):
+            writes = [self._write(i, [items[j] for j in at]) for i, at in phase.items()]
+            await asyncio.gather(*writes)
 
     async def _write(self, partition: int, items: list[tuple[str, bytes]]) -> None:
         if self._processes[partition].exitcode is not None:  # killed: another, as the engine
