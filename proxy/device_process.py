@@ -181,9 +181,7 @@ class DeviceProcessEngine(Engine):
             if "error" in ready:
                 raise _ERRORS.get(ready["type"], EngineUnavailableError)(ready["error"])
         except BaseException:
-            _stop(process)
-            to.close()
-            back.close()
+            _stop(process, to, back)
             raise
         return process, to, back, ready
 
@@ -196,9 +194,7 @@ class DeviceProcessEngine(Engine):
     ) -> None:
         with self._read_lock, self._send_lock:
             if self._closed:
-                _stop(process)
-                to.close()
-                back.close()
+                _stop(process, to, back)
                 return
             self.info = EngineInfo(**ready["info"])
             if ready["tokenizer"] is not None and self._fast is None:
@@ -217,9 +213,7 @@ class DeviceProcessEngine(Engine):
             self._down = reason
             self._answers.clear()
         if child is not None:
-            _stop(child.process)
-            child.to.close()
-            child.back.close()
+            _stop(child.process, child.to, child.back)
             log.warning("%s; starting another device process", reason)
         self._wanted.set()
 
@@ -229,9 +223,7 @@ class DeviceProcessEngine(Engine):
             child, self._child = self._child, None
         self._wanted.set()  # the keeper ends
         if child is not None:
-            _stop(child.process)
-            child.to.close()
-            child.back.close()
+            _stop(child.process, child.to, child.back)
 
     @property
     def pid(self) -> int | None:
@@ -346,10 +338,13 @@ def _receive(socket: zmq.Socket[bytes], process: BaseProcess, timeout_s: float) 
     return socket.recv_multipart(copy=False)
 
 
-def _stop(process: BaseProcess) -> None:
+def _stop(process: BaseProcess, *sockets: zmq.Socket[bytes]) -> None:
+    """Kill a child and close the sockets to it."""
     if process.exitcode is None:
         process.kill()
     process.join(10.0)
+    for socket in sockets:
+        socket.close()
 
 
 # -- the child ---------------------------------------------------------------------------------
