@@ -347,15 +347,19 @@ STAGES = {  # the histograms of a miss's way, as /metrics names them: (name, lab
     ("fleetcache_engine_stage_duration_seconds", 'stage="tokenize"'): "batch: pad / tokenize",
     ("fleetcache_engine_stage_duration_seconds", 'stage="forward"'): "batch: forward",
     ("fleetcache_engine_stage_duration_seconds", 'stage="postprocess"'): "batch: postprocess",
+    ("fleetcache_request_stage_duration_seconds", 'stage="write_back"'): "store write-back",
     ("fleetcache_engine_batch_size_texts", ""): "batch size (texts, not ms)",
 }
 
 
 WARMUP_STAGES = {  # the same histograms while a job runs alone: its calls are the only ones
+    ("fleetcache_request_stage_duration_seconds", 'stage="cache_lookup"'): "cache lookup (shard)",
     ("fleetcache_request_stage_duration_seconds", 'stage="engine_call"'): "engine call (shard)",
     ("fleetcache_request_stage_duration_seconds", 'stage="engine_embed"'): "engine embed (engine)",
     ("fleetcache_lane_queue_wait_seconds", 'lane="warmup"'): "warm-up lane queue wait",
     ("fleetcache_engine_stage_duration_seconds", 'stage="forward"'): "batch: forward",
+    ("fleetcache_request_stage_duration_seconds", 'stage="write_back"'): "store write-back",
+    ("fleetcache_request_stage_duration_seconds", 'stage="fleet_write"'): "fleet write (shard)",
     ("fleetcache_engine_batch_size_texts", ""): "batch size (texts, not ms)",
 }
 
@@ -611,8 +615,12 @@ def kill_engine_under_load(server: Server, wrk: Wrk, connections: int, seconds: 
 
 
 def run_job(server: Server, fleet: Path) -> dict[str, Any]:
-    """POST a JSONL body to /v1/warmup and wait for the job to end."""
+    """POST a JSONL body to /v1/warmup and wait for the job to end; with its timeline
+    (``first_s``: from the POST to its first indexed records; ``steady_per_s``: features/s
+    between 10% and 90% of its records, what its start and end leave out)."""
+    samples: list[tuple[float, int]] = []  # (seconds after the POST, indexed)
     with httpx.Client(base_url=server.url, timeout=600) as client:
+        posted = time.monotonic()
         response = client.post(
             "/v1/warmup",
             content=fleet.read_bytes(),
@@ -621,10 +629,22 @@ def run_job(server: Server, fleet: Path) -> dict[str, Any]:
         response.raise_for_status()
         job_id = response.json()["id"]
         while (job := client.get(f"/v1/warmup/{job_id}").json())["state"] in ("queued", "running"):
-            time.sleep(0.2)
+            samples.append((time.monotonic() - posted, job["indexed"]))
+            time.sleep(0.05)
     if job["state"] != "done":
         raise SystemExit(f"warm-up job ended {job['state']}: {job.get('error')}")
-    return dict(job)
+    samples.append((time.monotonic() - posted, job["indexed"]))
+    return {**job, **job_timeline(samples)}
+
+
+def job_timeline(samples: list[tuple[float, int]]) -> dict[str, float]:
+    """``first_s`` and ``steady_per_s`` (see ``run_job``) of ``(seconds, indexed)`` samples."""
+    total = samples[-1][1]
+    first = next(t for t, n in samples if n > 0)
+    low = next((t, n) for t, n in samples if n >= 0.1 * total)
+    high = next((t, n) for t, n in samples if n >= 0.9 * total)
+    steady = (high[1] - low[1]) / (high[0] - low[0]) if high[0] > low[0] else 0.0
+    return {"first_s": first, "steady_per_s": steady, "total_s": samples[-1][0]}
 
 
 LOOKUP_GAP_MS = 5  # each of 8 lookup connections sends one request every ~5 ms (paced)
@@ -662,6 +682,9 @@ def measure_warmup(args: argparse.Namespace, server: Server, wrk: Wrk, out: Path
     return {
         "records": job["indexed"],
         "features_per_s": job["indexed"] / (job["finished"] - job["started"]),
+        "first_s": job["first_s"],
+        "steady_per_s": job["steady_per_s"],
+        "total_s": job["total_s"],
         "beside_features_per_s": statistics.median(beside),
         "lookup_p99_alone_ms": alone,
         "lookup_p99_during_ms": during,
@@ -842,6 +865,7 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
     warm = [r for r in rows if "warmup" in r]
     if warm:
         columns = ["layout", "warm-up records", "features/s alone", "tokenizer alone texts/s"]
+        columns += ["ratio", "POST -> first rows -> end s", "features/s from 10% to 90%"]
         columns += ["ratio", "features/s beside lookups (median)"]
         columns += ["paced lookup p99 alone -> during ms, median of rounds", "each round's ratio"]
         table = []
@@ -856,6 +880,9 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
                     f"{w['features_per_s']:,.0f}",
                     f"{w['tokenizer_texts_per_s']:,.0f}",
                     f"{w['features_per_s'] / w['tokenizer_texts_per_s']:.2f}",
+                    f"{w['first_s']:.2f} -> {w['total_s']:.2f}",
+                    f"{w['steady_per_s']:,.0f}",
+                    f"{w['steady_per_s'] / w['tokenizer_texts_per_s']:.2f}",
                     f"{w['beside_features_per_s']:,.0f}",
                     idle_to_busy(statistics.median(alone), statistics.median(during)),
                     ", ".join(f"{x:.2f}x" for x in ratios),

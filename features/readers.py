@@ -122,6 +122,12 @@ Keep = Callable[[int, Any], bool]
 or the CSV/Parquet row as a dict, before validation). Several readers of one file each keep
 their share (``proxy.warmup.Shard``)."""
 
+KeepRaw = Callable[[int, bytes], bool | None]
+"""``keep_raw(line, raw)``: the same decision from a JSONL line's bytes, before parsing, where
+they settle it (None: parse the line and ask ``keep``). A reader then parses only its own
+lines, not every line of the file (each of N readers parsed all of them: N times the JSON
+work of the file). It must decide each line alike in every reader."""
+
 
 def format_validation_error(exc: ValidationError) -> str:
     """``vehicle.capacity_kg: Input should be ...; driver_id: Field required``."""
@@ -210,10 +216,14 @@ def _validated(
 
 
 def iter_rows(
-    path: str | os.PathLike[str], chunk_size: int = 1000, keep: Keep | None = None
+    path: str | os.PathLike[str],
+    chunk_size: int = 1000,
+    keep: Keep | None = None,
+    keep_raw: KeepRaw | None = None,
 ) -> Iterator[Row]:
     """Every row of a JSONL, CSV or Parquet file of DriverRecords, valid or not, in order;
-    with ``keep``, the rows it passes by come back neither validated nor rejected.
+    with ``keep``, the rows it passes by come back neither validated nor rejected (JSONL:
+    ``keep_raw`` first, where it decides).
 
     The format comes from the extension (checked now, before any reading). ``chunk_size`` is
     the Parquet batch size; JSONL and CSV are read a line at a time. Blank lines are skipped.
@@ -222,19 +232,24 @@ def iter_rows(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if fmt == "jsonl":
-        return _iter_jsonl(Path(path), keep)
+        return _iter_jsonl(Path(path), keep, keep_raw)
     if fmt == "csv":
         return _iter_csv(Path(path), keep)
     return _iter_parquet(Path(path), chunk_size, keep)
 
 
-def _iter_jsonl(path: Path, keep: Keep | None) -> Iterator[Row]:
+def _iter_jsonl(path: Path, keep: Keep | None, keep_raw: KeepRaw | None) -> Iterator[Row]:
     # Bytes, not text: an undecodable line is that line's error, not the end of the file.
     with path.open("rb") as file:
         for line_no, raw in enumerate(file, start=1):
             text = raw.removeprefix(b"\xef\xbb\xbf") if line_no == 1 else raw
             if not text.strip():
                 continue
+            mine = keep_raw(line_no, text) if keep_raw is not None else None
+            if mine is False:
+                yield Row(line_no, None, None)
+                continue
+            own = None if mine else keep  # decided on its bytes: this reader's, valid or not
             try:
                 data = orjson.loads(text)
             except orjson.JSONDecodeError as exc:
@@ -242,10 +257,10 @@ def _iter_jsonl(path: Path, keep: Keep | None) -> Iterator[Row]:
             else:
                 error = f"expected a JSON object, got {type(data).__name__}"
             if not isinstance(data, dict):
-                keeps = keep is None or keep(line_no, None)
+                keeps = own is None or own(line_no, None)
                 yield Row(line_no, None, error if keeps else None)
                 continue
-            yield _validated(line_no, DriverRecord.model_validate, data, keep)
+            yield _validated(line_no, DriverRecord.model_validate, data, own)
 
 
 def _iter_csv(path: Path, keep: Keep | None) -> Iterator[Row]:

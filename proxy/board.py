@@ -131,9 +131,23 @@ HISTOGRAMS: tuple[HistogramSpec, ...] = (
         "Time one request spent in a stage: cache_lookup (tiers read), queue_wait (its "
         "misses waiting for a batch), index (the fleet index search of a recommend), "
         "engine_call (a worker's call to an engine process, sent to answered), engine_embed "
-        "(that call in the engine process, from its event loop taking it to its answer).",
+        "(that call in the engine process, from its event loop taking it to its answer), "
+        "write_back (the engine writing a call's new vectors to the cache store, computed to "
+        "committed), fleet_write (a fleet upsert's call to the index owner, its change log "
+        "flush included).",
         ("stage",),
-        (("cache_lookup",), ("queue_wait",), ("index",), ("engine_call",), ("engine_embed",)),
+        tuple(
+            (stage,)
+            for stage in (
+                "cache_lookup",
+                "queue_wait",
+                "index",
+                "engine_call",
+                "engine_embed",
+                "write_back",
+                "fleet_write",
+            )
+        ),
         LATENCY_BUCKETS,
     ),
     HistogramSpec(

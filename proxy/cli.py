@@ -31,6 +31,7 @@ from features.synthetic import iter_fleet
 from proxy.auth import KNOWN_SCOPES, KeysFileError, add_key, parse_scopes, read_keys, revoke_key
 from proxy.settings import Settings, check_data_dir
 from proxy.warmup import (
+    CHECKPOINT_EVERY_S,
     RemoteSink,
     WarmupProgress,
     checkpoint_for,
@@ -191,7 +192,7 @@ def direct_warmup(
     *,
     chunk_size: int,
     rejects: Path,
-    commit_every_s: float,
+    checkpoint_every_s: float,
     on_progress: Callable[[WarmupProgress], None],
 ) -> WarmupProgress:
     """Directly on ``settings``' data dir: an engine process, the fleet index owner and
@@ -202,7 +203,7 @@ def direct_warmup(
     options = JobOptions(
         path=str(path),
         chunk_size=chunk_size,
-        commit_every_s=commit_every_s,
+        checkpoint_every_s=checkpoint_every_s,
         rejects=str(rejects),
         cancel_file=str(settings.data_dir / "warmup" / f"{path.name}.cancel"),
     )
@@ -223,8 +224,8 @@ def warmup(
     ] = None,
     restart: Annotated[bool, typer.Option(help="ignore a checkpoint, start from row 1")] = False,
     checkpoint_every: Annotated[
-        float, typer.Option(min=0.0, help="seconds between checkpoints (index snapshot)")
-    ] = 5.0,
+        float, typer.Option(min=0.0, help="seconds between checkpoints")
+    ] = CHECKPOINT_EVERY_S,
 ) -> None:
     """Fill the cache and the fleet index from a file; invalid rows are skipped and reported.
 
@@ -286,7 +287,7 @@ def warmup(
                         chunk_size=chunk_size,
                         rejects=out,
                         on_progress=show,
-                        commit_every_s=checkpoint_every,
+                        checkpoint_every_s=checkpoint_every,
                         checkpoint=checkpoint if url else None,
                     )
                     asyncio.run(closing(sink, job))
@@ -298,7 +299,7 @@ def warmup(
                     progress,
                     chunk_size=chunk_size,
                     rejects=rejects,
-                    commit_every_s=checkpoint_every,
+                    checkpoint_every_s=checkpoint_every,
                     on_progress=show,
                 )
         except KeyboardInterrupt:

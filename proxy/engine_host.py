@@ -168,7 +168,7 @@ class EngineHost:
         self.flight = SingleFlight(
             self._compute,
             engine.info.dim,
-            write_back=None if writer is None else writer.write_rows,
+            write_back=None if writer is None else self._write_back,
             stats=stats,
             count_misses=False,  # the batcher counts them, as it hands them to the engine
             per_item_ms=lambda: batcher.per_item_ms,
@@ -182,6 +182,15 @@ class EngineHost:
         board.observe(REQUEST_STAGES, ("queue_wait",), seconds)
         board.observe(LANE_QUEUE_WAIT, (lane,), seconds)
         board.recent("queue_wait", seconds * 1000.0)
+
+    async def _write_back(self, *args: Any) -> bool:
+        """The writer's ``write_rows``, timed (``write_back``: computed to committed)."""
+        assert self.writer is not None
+        started = time.perf_counter()
+        try:
+            return await self.writer.write_rows(*args)
+        finally:
+            self.board.observe(REQUEST_STAGES, ("write_back",), time.perf_counter() - started)
 
     def _sent(self, caller: str, count: int) -> None:
         """Texts handed to the engine: misses and items counted at the same moment."""
@@ -542,7 +551,7 @@ def _call_arguments(parts: Sequence[_Part]) -> dict[str, Any]:
         "keys": None if parts[0].keys is None else [k for p in parts for k in p.keys or ()],
         "ttl": ttl,
         "since": None if None in sinces else max(s for s in sinces if s is not None),
-        "links": [list(link) for part in parts for link in part.links],
+        "links": [link for part in parts for link in part.links],  # tuples: msgpack arrays
     }
 
 

@@ -106,8 +106,6 @@ class IndexService(Protocol):
 
     async def set_ready(self) -> None: ...
 
-    async def commit(self) -> None: ...
-
 
 class IndexHost:
     """The table and what belongs to it: revision, readiness, change log, snapshots. KeyError
@@ -339,9 +337,6 @@ class IndexHost:
     async def count(self) -> int:
         return len(self.table)
 
-    async def commit(self) -> None:
-        await self.snapshot()
-
     async def set_ready(self) -> None:
         if not self._ready:
             self._ready = True
@@ -556,10 +551,6 @@ def index_handlers(host: IndexHost) -> dict[str, Handler]:
         await host.set_ready()
         return {}, ()
 
-    async def commit(message: Msg, blobs: Frames) -> Out:
-        await host.commit()
-        return {}, ()
-
     return {
         "ping": ping,
         "upsert": upsert,
@@ -569,7 +560,6 @@ def index_handlers(host: IndexHost) -> dict[str, Handler]:
         "get": get,
         "recommend": recommend,
         "set_ready": set_ready,
-        "commit": commit,
     }
 
 
@@ -652,9 +642,6 @@ class RemoteIndex:
 
     async def set_ready(self) -> None:
         await self.client.call("set_ready")
-
-    async def commit(self) -> None:
-        await self.client.call("commit")
 
 
 def serve_index(host: IndexHost, bind: str) -> RpcServer:

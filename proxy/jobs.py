@@ -43,7 +43,7 @@ from proxy.board import Boards
 from proxy.cores import usable_cores
 from proxy.processes import ChildSpec
 from proxy.settings import Settings
-from proxy.warmup import Shard, WarmupProgress, shown_source
+from proxy.warmup import CHECKPOINT_EVERY_S, Shard, WarmupProgress, shown_source
 
 log = logging.getLogger("fleetcache.warmup")
 SPEC_FILE = "spec.json"  # written by the supervisor into the run dir: what a job is told
@@ -204,19 +204,21 @@ class JobOptions:
 
     path: str
     chunk_size: int
-    commit_every_s: float
+    checkpoint_every_s: float
     rejects: str  # the job's rejects file; shard i writes <rejects>.part<i>, merged at the end
     cancel_file: str  # present: stop at the next chunk
 
 
 def shard_count(settings: Settings, cores: int | None = None) -> int:
     """``FLEETCACHE_WARMUP_PROCESSES``: reader processes of one warm-up job. ``auto``: one
-    per four usable cores (``proxy.cores``; a shard is one interpreter reading, validating
-    and rendering its rows; the engine process and the HTTP workers keep the rest), at most
-    8."""
+    per two usable cores (``proxy.cores``), at most 8. A shard is one interpreter reading,
+    validating, rendering and tokenizing its rows, bound by its GIL (~150 us of CPU a
+    feature on the H200 machine): on its 12 server cores 6 shards warmed 24-30k features/s
+    where 3 warmed 19k, and cached lookups beside the job kept their p99 (docs/BENCHMARKS.md,
+    2026-12-03). The job runs at nice 10: the workers keep their cores."""
     if settings.warmup_processes != "auto":
         return int(settings.warmup_processes)
-    return max(1, min(8, (cores or usable_cores()) // 4))
+    return max(1, min(8, (cores or usable_cores()) // 2))
 
 
 async def run_shard(
@@ -249,9 +251,10 @@ async def run_shard(
                 ),
                 progress,
                 chunk_size=options.chunk_size * shard.count,  # ~chunk_size of its own rows
+                depth=settings.warmup_depth,
                 checkpoint=checkpoint_for(settings.data_dir, path, shard),
                 rejects=rejects,
-                commit_every_s=options.commit_every_s,
+                checkpoint_every_s=options.checkpoint_every_s,
                 on_progress=on_progress,
                 cancelled=lambda: stopped() or cancel_file.exists(),
                 shard=shard,
@@ -433,7 +436,7 @@ async def run_job(run_dir: Path, job_id: str) -> None:
     options = JobOptions(
         path=str(path),
         chunk_size=int(state["chunk_size"]),
-        commit_every_s=settings.snapshot_interval_s,
+        checkpoint_every_s=CHECKPOINT_EVERY_S,
         rejects=str(directory.parent / f"{job_id}.rejects.jsonl"),
         cancel_file=str(cancel_file),
     )

@@ -179,7 +179,9 @@ class Services:
         texts = texts if texts is not None else [driver_text(r) for r in records]
         entities = [Entity("driver", r.driver_id, t) for r, t in zip(records, texts, strict=True)]
         result = await self.embed_entities(entities, caller, lane)
+        started = time.perf_counter()
         await self.index.upsert_drivers(records, result.vectors)
+        self.latency.observe_stage("fleet_write", time.perf_counter() - started)
         return len(records), result
 
     async def update_driver(
@@ -190,10 +192,6 @@ class Services:
 
     async def delete_driver(self, driver_id: str) -> bool:
         return await self.index.delete_driver(driver_id)
-
-    async def commit_index(self) -> None:
-        """Make every fleet change so far durable (a warm-up checkpoint waits for it)."""
-        await self.index.commit()
 
     def publish(self) -> None:
         """Mirror this process's tier counters onto its board (after every request)."""

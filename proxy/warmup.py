@@ -6,11 +6,13 @@ and written to a rejects file with their line and reason; every chunk goes to a 
 (the local services, or ``PUT /v1/fleet/drivers`` on a proxy) as caller ``warmup``, which
 rides the batcher's low-priority lane.
 
-Resuming: after a chunk is durable (cache written, index snapshotted or upserted on the
-proxy) the job records how many rows of the file it has finished in a checkpoint file keyed
-by the file's path, size and mtime. A rerun after Ctrl-C or kill -9 skips those rows; rows
-after the last checkpoint are read again, and their texts are cache hits, so nothing is
-embedded twice.
+Resuming: the job records how many rows of the file it has finished in a checkpoint file
+keyed by the file's path, size and mtime, every ``checkpoint_every_s``, past chunks that are
+durable: a chunk is done when every call of it returned, and a call returns once its vectors
+and entity links are written to the cache store and its fleet change is in the index's change
+log, flushed (API.md "Durability"; through a proxy: once it answered 200). A rerun after
+Ctrl-C or kill -9 skips those rows; rows after the last checkpoint are read again, and their
+texts are cache hits, so nothing is embedded twice.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import time
 import zlib
 from collections import deque
@@ -34,20 +37,25 @@ import httpx
 
 from engines.base import EngineUnavailableError, QueueFullError
 from features.models import DriverRecord
-from features.readers import Row, iter_rows
+from features.readers import Keep, KeepRaw, Row, iter_rows
 from features.text import driver_text
 from proxy.services import Services
 
 log = logging.getLogger("fleetcache.warmup")
+# A checkpoint is a small file written with an fsync; each costs a job nothing else (until
+# 2026-12-03 it also snapshotted the fleet index: 1.9-2.3 s for 200,000 drivers on the
+# 2-core box, once per reader at a job's end).
+CHECKPOINT_EVERY_S = 5.0
+
+
+# a JSONL line's "driver_id" with a string value (used where the line holds no backslash)
+_RAW_ID = re.compile(rb'"driver_id"[ \t\r\n]*:[ \t\r\n]*"([^"]*)"')
 
 
 class Sink(Protocol):
     async def upsert(self, records: list[DriverRecord]) -> tuple[int, int, int]:
-        """Index the records; return (indexed, embedded, cached)."""
-        ...
-
-    async def commit(self) -> None:
-        """Make everything upserted so far durable before the checkpoint moves."""
+        """Index the records, durably (see the module docstring); return (indexed,
+        embedded, cached)."""
         ...
 
 
@@ -125,6 +133,20 @@ class Shard:
         key = zlib.crc32(str(driver_id).encode()) if driver_id is not None else line
         return key % self.count == self.index
 
+    def keeps_raw(self, line: int, raw: bytes) -> bool | None:
+        """``keeps`` from a JSONL line's bytes, without parsing it, when they hold one
+        ``"driver_id"`` with a string value and no backslash (no escape anywhere: the id's
+        bytes between the quotes are its UTF-8, as ``keeps`` hashes them, and no other key
+        can spell ``driver_id``); else None (parsed, then ``keeps``). Every reader decides a
+        line alike, so each line, valid or not, is one reader's. Fleet files' lines all take
+        this way: a reader parses only its own (about 1/N of them)."""
+        if b"\\" in raw or raw.count(b'"driver_id"') != 1:
+            return None
+        found = _RAW_ID.search(raw)
+        if found is None:
+            return None
+        return zlib.crc32(found.group(1)) % self.count == self.index
+
     @property
     def suffix(self) -> str:
         return f".shard{self.index}of{self.count}" if self.count > 1 else ""
@@ -150,7 +172,7 @@ async def run_warmup(
     depth: int = 3,
     checkpoint: Checkpoint | None = None,
     rejects: IO[str] | None = None,
-    commit_every_s: float = 5.0,
+    checkpoint_every_s: float = CHECKPOINT_EVERY_S,
     on_progress: Callable[[WarmupProgress], None] | None = None,
     cancelled: Callable[[], bool] = lambda: False,
     shard: Shard | None = None,
@@ -168,27 +190,33 @@ async def run_warmup(
         raise ValueError(f"depth must be at least 1, got {depth}")
     skip = checkpoint.rows_done() if checkpoint else 0
     progress.resumed_from = skip
-    keep = None if shard is None or shard.count == 1 else shard.keeps
-    chunks = read_chunks(iter_rows(path, keep=keep), chunk_size)
+    keep: Keep | None = None
+    keep_raw: KeepRaw | None = None
+    if shard is not None and shard.count > 1:
+        keep, keep_raw = shard.keeps, shard.keeps_raw
+    chunks = read_chunks(iter_rows(path, keep=keep, keep_raw=keep_raw), chunk_size)
     in_sink: deque[tuple[int, asyncio.Task[tuple[int, int, int]]]] = deque()  # (end row, task)
-    done_rows = skip  # every row before this one is durable once the sink commits
-    last_commit = time.monotonic()
+    done_rows = skip  # every row before this one is durable
+    last_checkpoint = time.monotonic()
 
     def next_chunk() -> asyncio.Future[list[Row] | None]:  # reading stays off the event loop
         return asyncio.ensure_future(asyncio.to_thread(next, chunks, None))
 
     async def finish_oldest() -> None:
-        nonlocal done_rows, last_commit
+        nonlocal done_rows, last_checkpoint
         end, task = in_sink.popleft()
         indexed, embedded, cached = await task
         progress.indexed += indexed
         progress.embedded += embedded
         progress.cached += cached
         done_rows = end
-        if sink is not None and checkpoint and time.monotonic() - last_commit > commit_every_s:
-            await sink.commit()
+        if (
+            sink is not None
+            and checkpoint
+            and time.monotonic() - last_checkpoint > checkpoint_every_s
+        ):
             checkpoint.save(done_rows)
-            last_commit = time.monotonic()
+            last_checkpoint = time.monotonic()
         if on_progress:
             on_progress(progress)
 
@@ -212,8 +240,6 @@ async def run_warmup(
                 await finish_oldest()
         while in_sink:
             await finish_oldest()
-        if sink is not None:
-            await sink.commit()
         if checkpoint and sink is not None:  # the state changes only once the place is kept
             checkpoint.save(done_rows) if stopped else checkpoint.clear()
         progress.state = "cancelled" if stopped else "done"
@@ -381,9 +407,6 @@ class LocalSink:
         self._slices.discard(task)
         self._slice_done.set()
 
-    async def commit(self) -> None:
-        await self.services.commit_index()
-
 
 async def _loop_lag() -> float:
     """Seconds until the event loop comes back to a task that yields: the time every
@@ -449,9 +472,6 @@ class RemoteSink:
         embedded, cached = (int(response.headers[h]) for h in ("X-Cache-Misses", "X-Cache-Hits"))
         return response.json()["upserted"], embedded, cached
 
-    async def commit(self) -> None:
-        """Each PUT is applied when it answers; the proxy snapshots its own index."""
-
 
 @dataclass
 class _Job:
@@ -483,11 +503,9 @@ class WarmupJobs:
                     LocalSink(services),
                     job.progress,
                     chunk_size=chunk_size,
+                    depth=services.settings.warmup_depth,
                     checkpoint=checkpoint_for(services.settings.data_dir, path),
                     rejects=rejects,
-                    # A commit snapshots the whole index (a stall for dispatch while its state
-                    # is copied): no more often than the server's own snapshots.
-                    commit_every_s=services.settings.snapshot_interval_s,
                     cancelled=lambda: job.cancel_requested,
                     max_rejects=services.settings.max_rejects,
                 )

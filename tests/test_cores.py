@@ -112,5 +112,5 @@ def test_every_auto_count_follows_the_usable_cores(monkeypatch: pytest.MonkeyPat
     for module in (supervisor, jobs, engine_host):
         monkeypatch.setattr(module, "usable_cores", lambda: 16)
     assert supervisor.auto_workers() == 12
-    assert jobs.shard_count(Settings(warmup_processes="auto")) == 4
+    assert jobs.shard_count(Settings(warmup_processes="auto")) == 8
     assert engine_host.lmdb_writer(Settings(lmdb_writer="auto")) == "process"

@@ -12,6 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
@@ -20,12 +21,12 @@ from cache.codec import decode
 from cache.links import LINK_PREFIX
 from cache.stores import LmdbByteStore
 from engines.fake import FakeEngine
-from features.readers import write_records
+from features.readers import iter_rows, write_records
 from features.synthetic import generate_fleet
 from features.text import driver_text
 from proxy.cli import app as cli
 from proxy.jobs import ProcessJobs
-from proxy.warmup import RemoteSink, WarmupProgress, run_warmup
+from proxy.warmup import RemoteSink, Shard, WarmupProgress, run_warmup
 from tests.conftest import make_settings, open_client, wait_ready
 from tests.serve_process import crash
 
@@ -322,6 +323,59 @@ def test_three_reader_processes_index_every_row_once_and_later_rows_win(
             assert stored["status"] == "busy"
             assert stored["vehicle"]["vehicle_id"] == later.vehicle.vehicle_id
         assert client.get("/v1/stats").json()["fleet"]["drivers"] == 300
+
+
+def test_readers_split_every_line_of_a_jsonl_once_deciding_most_on_its_bytes(
+    tmp_path: Path,
+) -> None:
+    """Each of N readers parses only the lines its bytes give it (``Shard.keeps_raw``); the
+    lines the bytes do not settle (an escape, a second "driver_id", an id that is no string)
+    are parsed and decided as before. Together the readers see every line once, valid or
+    not, exactly as one reader would; a driver's rows all go to one reader."""
+    source = tmp_path / "fleet.jsonl"
+    write_records(generate_fleet(200, seed=8), source)
+    fleet_lines = source.read_bytes().splitlines()
+    record = orjson.loads(fleet_lines[0])
+    fourth = orjson.loads(fleet_lines[3])["driver_id"]
+    escaped = f"{fourth[0]}\\u{ord(fourth[1]):04x}{fourth[2:]}"
+    odd = [
+        {**record, "driver_id": "Dé-7"},  # raw UTF-8, no escape
+        orjson.dumps({**record, "driver_id": fourth}).replace(
+            f'"{fourth}"'.encode(), f'"{escaped}"'.encode()
+        ),  # the fourth row's driver, its id spelled with an escape
+        {**record, "driver_id": 17},  # not a string: rejected, by one reader
+        {key: value for key, value in record.items() if key != "driver_id"}
+        | {"vehicle": {**record["vehicle"], "driver_id": "Z9"}},  # only nested: rejected
+        b'{"driver_id": "A1", ' + fleet_lines[1][1:],  # the later key wins: the 2nd driver's
+        b'{"driver_id" :\t"D0002", "status": ',  # cut short
+        b'[{"driver_id": "D0003"}]',  # not an object
+        b'["driver_id", 1]',
+        fleet_lines[5],  # a driver's later row
+    ]
+    with source.open("ab") as out:
+        for line in odd:
+            out.write((line if isinstance(line, bytes) else orjson.dumps(line)) + b"\n")
+    alone = [(r.line, r.record, r.error) for r in iter_rows(source)]
+    first_odd = len(fleet_lines) + 1
+    for count in (2, 3, 8):
+        shards = [Shard(i, count) for i in range(count)]
+        owner = {}
+        for i, shard in enumerate(shards):
+            for r in iter_rows(source, keep=shard.keeps, keep_raw=shard.keeps_raw):
+                if not r.passed_by:
+                    assert r.line not in owner  # one reader a line
+                    owner[r.line] = (i, r.record, r.error)
+        assert [(line, *owner[line][1:]) for line in sorted(owner)] == alone
+        assert owner[first_odd + 1][0] == owner[4][0]  # one driver, one reader
+        assert owner[first_odd + 4][0] == owner[2][0]
+        assert owner[first_odd + len(odd) - 1][0] == owner[6][0]
+        for line_no, raw in enumerate(fleet_lines, start=1):  # fleet rows: decided on bytes,
+            data = orjson.loads(raw)  # as parsing them would
+            assert [s.keeps_raw(line_no, raw) for s in shards] == [
+                s.keeps(line_no, data) for s in shards
+            ]
+    undecided = [Shard(0, 3).keeps_raw(1, line) for line in odd if isinstance(line, bytes)]
+    assert undecided[:2] == [None, None]  # a backslash, two "driver_id"s
 
 
 def test_a_jobs_rejects_file_is_capped_but_every_reject_counted(tmp_path: Path) -> None:
