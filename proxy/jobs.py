@@ -66,6 +66,14 @@ NO_THREADS = {
 _PATH = re.compile(r"(?:/[^/\s'\"]+)+/?")
 
 
+def lower_priority(pid: int) -> None:
+    """A job process runs at nice ``NICE`` (or lower priority still): the workers keep their
+    cores. Set by the worker that starts it, right after the exec, so that its start (1-3 s
+    of imports) does not compete with them either; again by the job itself (no change)."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, pid, max(NICE, os.getpriority(os.PRIO_PROCESS, pid)))
+
+
 def jobs_dir(settings: Settings) -> Path:
     return settings.data_dir / "warmup" / "jobs"
 
@@ -115,6 +123,7 @@ class ProcessJobs:
             stdin=subprocess.DEVNULL,  # leaves the job running
             env={**os.environ, **NO_THREADS},
         )
+        lower_priority(process.pid)  # right after its exec: its imports too
         _write_json(self.dir / f"{job_id}.json", {**self._read(job_id), "pid": process.pid})
         return job_id
 
@@ -481,8 +490,7 @@ def main() -> None:
 
     run_dir, job_id = Path(sys.argv[1]), sys.argv[2]
     setup_logging("warning", "job")
-    with contextlib.suppress(OSError):
-        os.nice(NICE)
+    lower_priority(os.getpid())  # started some other way: still below the workers
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     asyncio.run(run_job(run_dir, job_id))
 

@@ -24,6 +24,7 @@ from engines.fake import FakeEngine
 from features.readers import iter_rows, write_records
 from features.synthetic import generate_fleet
 from features.text import driver_text
+from proxy import jobs
 from proxy.cli import app as cli
 from proxy.jobs import ProcessJobs
 from proxy.warmup import RemoteSink, Shard, WarmupProgress, run_warmup
@@ -376,6 +377,34 @@ def test_readers_split_every_line_of_a_jsonl_once_deciding_most_on_its_bytes(
             ]
     undecided = [Shard(0, 3).keeps_raw(1, line) for line in odd if isinstance(line, bytes)]
     assert undecided[:2] == [None, None]  # a backslash, two "driver_id"s
+
+
+def niceness(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # its Popen
+def test_a_job_process_runs_below_the_workers_from_its_start(tmp_path: Path) -> None:
+    """Its imports too: the worker lowers its priority as it starts it (nice 10), and the
+    job's own call keeps it there rather than adding another 10."""
+    settings = make_settings(tmp_path / "data")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    source = tmp_path / "fleet.jsonl"
+    fleet_file(source, 10)
+    expected = max(jobs.NICE, os.getpriority(os.PRIO_PROCESS, 0))  # (a test run at nice 15)
+    job_id = ProcessJobs(settings, run_dir).start(None, source)
+    pid = json.loads((settings.data_dir / "warmup" / "jobs" / f"{job_id}.json").read_text())["pid"]
+    assert niceness(pid) == expected
+    os.waitpid(pid, 0)  # it fails at once: this run dir has no server's spec
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        jobs.lower_priority(sleeper.pid)
+        jobs.lower_priority(sleeper.pid)
+        assert niceness(sleeper.pid) == expected
+    finally:
+        sleeper.kill()
+        sleeper.wait()
 
 
 def test_a_jobs_rejects_file_is_capped_but_every_reject_counted(tmp_path: Path) -> None:
