@@ -638,12 +638,14 @@ def run_job(server: Server, fleet: Path) -> dict[str, Any]:
 
 
 def job_timeline(samples: list[tuple[float, int]]) -> dict[str, float]:
-    """``first_s`` and ``steady_per_s`` (see ``run_job``) of ``(seconds, indexed)`` samples."""
-    total = samples[-1][1]
-    first = next(t for t, n in samples if n > 0)
-    low = next((t, n) for t, n in samples if n >= 0.1 * total)
-    high = next((t, n) for t, n in samples if n >= 0.9 * total)
-    steady = (high[1] - low[1]) / (high[0] - low[0]) if high[0] > low[0] else 0.0
+    """``first_s`` and ``steady_per_s`` (see ``run_job``) of ``(seconds, indexed)`` samples
+    (NaN where a job too short or empty gives none). The job rewrites its progress every
+    ``PROGRESS_EVERY_S`` (0.5 s): ``first_s`` may be that late."""
+    total, nan = samples[-1][1], float("nan")
+    first = next((t for t, n in samples if n > 0), nan)
+    low = next(((t, n) for t, n in samples if n >= 0.1 * total), (0.0, 0))
+    high = next(((t, n) for t, n in samples if n >= 0.9 * total), (0.0, 0))
+    steady = (high[1] - low[1]) / (high[0] - low[0]) if total and high[0] > low[0] else nan
     return {"first_s": first, "steady_per_s": steady, "total_s": samples[-1][0]}
 
 

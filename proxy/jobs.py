@@ -67,11 +67,11 @@ _PATH = re.compile(r"(?:/[^/\s'\"]+)+/?")
 
 
 def lower_priority(pid: int) -> None:
-    """A job process runs at nice ``NICE`` (or lower priority still): the workers keep their
-    cores. Set by the worker that starts it, right after the exec, so that its start (1-3 s
-    of imports) does not compete with them either; again by the job itself (no change)."""
+    """Process ``pid`` (a job) at ``NICE`` below this one (a worker), at most 19: the workers
+    keep their cores. The worker sets it right after the job's exec, so that the job's start
+    (1-3 s of imports) does not compete with them either."""
     with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, pid, max(NICE, os.getpriority(os.PRIO_PROCESS, pid)))
+        os.setpriority(os.PRIO_PROCESS, pid, min(19, os.getpriority(os.PRIO_PROCESS, 0) + NICE))
 
 
 def jobs_dir(settings: Settings) -> Path:
@@ -490,7 +490,6 @@ def main() -> None:
 
     run_dir, job_id = Path(sys.argv[1]), sys.argv[2]
     setup_logging("warning", "job")
-    lower_priority(os.getpid())  # started some other way: still below the workers
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     asyncio.run(run_job(run_dir, job_id))
 

@@ -180,8 +180,10 @@ class Services:
         entities = [Entity("driver", r.driver_id, t) for r, t in zip(records, texts, strict=True)]
         result = await self.embed_entities(entities, caller, lane)
         started = time.perf_counter()
-        await self.index.upsert_drivers(records, result.vectors)
-        self.latency.observe_stage("fleet_write", time.perf_counter() - started)
+        try:
+            await self.index.upsert_drivers(records, result.vectors)
+        finally:
+            self.latency.observe_stage("fleet_write", time.perf_counter() - started)
         return len(records), result
 
     async def update_driver(

@@ -10,9 +10,11 @@ Resuming: the job records how many rows of the file it has finished in a checkpo
 keyed by the file's path, size and mtime, every ``checkpoint_every_s``, past chunks that are
 durable: a chunk is done when every call of it returned, and a call returns once its vectors
 and entity links are written to the cache store and its fleet change is in the index's change
-log, flushed (API.md "Durability"; through a proxy: once it answered 200). A rerun after
-Ctrl-C or kill -9 skips those rows; rows after the last checkpoint are read again, and their
-texts are cache hits, so nothing is embedded twice.
+log, flushed (API.md "Durability"; through a proxy: once it answered 200). The cache's writes
+are as durable as its store makes them (LMDB: an fsync a commit by default); a store that
+fails is counted and absorbed, and those texts are computed again when next asked. A rerun
+after Ctrl-C or kill -9 skips those rows; rows after the last checkpoint are read again, and
+their texts are cache hits, so nothing is embedded twice.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ CHECKPOINT_EVERY_S = 5.0
 
 # a JSONL line's "driver_id" with a string value (used where the line holds no backslash)
 _RAW_ID = re.compile(rb'"driver_id"[ \t\r\n]*:[ \t\r\n]*"([^"]*)"')
+_EDGE = frozenset(bytes([c]) for c in range(0x21, 0x7F))  # an id's first and last byte
 
 
 class Sink(Protocol):
@@ -129,23 +132,26 @@ class Shard:
     count: int
 
     def keeps(self, line: int, data: Any) -> bool:
+        """By the id as validation makes it (stripped: " D1" is driver D1)."""
         driver_id = data.get("driver_id") if isinstance(data, dict) else None
-        key = zlib.crc32(str(driver_id).encode()) if driver_id is not None else line
+        key = zlib.crc32(str(driver_id).strip().encode()) if driver_id is not None else line
         return key % self.count == self.index
 
     def keeps_raw(self, line: int, raw: bytes) -> bool | None:
         """``keeps`` from a JSONL line's bytes, without parsing it, when they hold one
         ``"driver_id"`` with a string value and no backslash (no escape anywhere: the id's
         bytes between the quotes are its UTF-8, as ``keeps`` hashes them, and no other key
-        can spell ``driver_id``); else None (parsed, then ``keeps``). Every reader decides a
+        can spell ``driver_id``), the id beginning and ending with a printable ASCII character
+        (nothing for ``keeps`` to strip); else None (parsed, then ``keeps``). Every reader decides a
         line alike, so each line, valid or not, is one reader's. Fleet files' lines all take
         this way: a reader parses only its own (about 1/N of them)."""
         if b"\\" in raw or raw.count(b'"driver_id"') != 1:
             return None
         found = _RAW_ID.search(raw)
-        if found is None:
+        driver_id = found.group(1) if found is not None else b""
+        if not (driver_id[:1] in _EDGE and driver_id[-1:] in _EDGE):
             return None
-        return zlib.crc32(found.group(1)) % self.count == self.index
+        return zlib.crc32(driver_id) % self.count == self.index
 
     @property
     def suffix(self) -> str:
@@ -215,7 +221,7 @@ async def run_warmup(
             and checkpoint
             and time.monotonic() - last_checkpoint > checkpoint_every_s
         ):
-            checkpoint.save(done_rows)
+            await asyncio.to_thread(checkpoint.save, done_rows)  # an fsync: off the loop
             last_checkpoint = time.monotonic()
         if on_progress:
             on_progress(progress)
