@@ -224,7 +224,7 @@ def shard_count(settings: Settings, cores: int | None = None) -> int:
     validating, rendering and tokenizing its rows, bound by its GIL (~150 us of CPU a
     feature on the H200 machine): on its 12 server cores 6 shards warmed 24-30k features/s
     where 3 warmed 19k, and cached lookups beside the job kept their p99 (docs/BENCHMARKS.md,
-    2026-12-03). The job runs at nice 10: the workers keep their cores."""
+    2026-12-03). The job runs 10 below its worker's priority: the workers keep their cores."""
     if settings.warmup_processes != "auto":
         return int(settings.warmup_processes)
     return max(1, min(8, (cores or usable_cores()) // 2))

@@ -141,10 +141,10 @@ class Shard:
         """``keeps`` from a JSONL line's bytes, without parsing it, when they hold one
         ``"driver_id"`` with a string value and no backslash (no escape anywhere: the id's
         bytes between the quotes are its UTF-8, as ``keeps`` hashes them, and no other key
-        can spell ``driver_id``), the id beginning and ending with a printable ASCII character
-        (nothing for ``keeps`` to strip); else None (parsed, then ``keeps``). Every reader decides a
-        line alike, so each line, valid or not, is one reader's. Fleet files' lines all take
-        this way: a reader parses only its own (about 1/N of them)."""
+        can spell ``driver_id``), the id beginning and ending with a printable ASCII
+        character (nothing for ``keeps`` to strip); else None (parsed, then ``keeps``). Every
+        reader decides a line alike, so each line, valid or not, is one reader's. Fleet
+        files' lines all take this way: a reader parses only its own (about 1/N of them)."""
         if b"\\" in raw or raw.count(b'"driver_id"') != 1:
             return None
         found = _RAW_ID.search(raw)
