@@ -169,7 +169,8 @@ class _VectorStore(EncoderBackedStore[str, Any]):
     The flight writes computed rows back before it lets go of them (``SingleFlight``: to
     ``store`` itself; the engine process: to the shared tier). CacheBackedEmbeddings then
     writes back every text it sent to the underlying embedder: that lands in ``write_to``
-    (the worker's own memory tier, or None when the flight already wrote everything).
+    (the worker's own memory tier, or None when the flight already wrote everything or that
+    tier keeps nothing, as a warm-up reader's).
     """
 
     def __init__(
@@ -333,9 +334,14 @@ class CachedEmbedder(_AsyncEmbeddings):
             self._flight: Flight = compute
             self._local: SingleFlight | None = None
             own = store.memory if isinstance(store, TieredByteStore) else store
-            write_to = VectorWriter(
-                own, namespace=namespace, dtype=dtype, errors=self._errors, wall_clock=wall_clock
-            )
+            if not (isinstance(own, MemoryByteStore) and own.max_bytes == 0):  # keeps nothing
+                write_to = VectorWriter(
+                    own,
+                    namespace=namespace,
+                    dtype=dtype,
+                    errors=self._errors,
+                    wall_clock=wall_clock,
+                )
         else:
             writer = self._writer
             self._local = SingleFlight(

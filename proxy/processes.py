@@ -141,9 +141,9 @@ def frozen_heap(thresholds: tuple[int, int, int] | None = None) -> Iterator[None
     took 241 ms (every dispatch request waited for it), 37 ms with the heap frozen; the engine
     process's loop, 40.6 -> 33.0 us of CPU per new text on the H200 (docs/BENCHMARKS.md). The
     processes ``fleetcache serve`` and ``fleetcache warmup`` start do it (workers, engine and
-    index processes), and undo it on the way out: while frozen, hypothesis' reference checks
-    (tests) cannot see those objects. ``thresholds``: the collector's (``gc.set_threshold``)
-    while the block runs.
+    index processes, a job's readers), and undo it on the way out: while frozen, hypothesis'
+    reference checks (tests) cannot see those objects. ``thresholds``: the collector's
+    (``gc.set_threshold``) while the block runs.
     """
     gc.collect()
     gc.freeze()

@@ -395,6 +395,7 @@ class LocalSink:
         while True:
             try:
                 _, result = await self.services.upsert_drivers(records, "warmup", texts)
+                self.services.publish()  # its tiers' counters, as a worker's after a request
                 return result.misses, result.not_sent
             except (EngineUnavailableError, QueueFullError) as exc:
                 # the engine or the index process restarting, or a full queue: wait, as

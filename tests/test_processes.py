@@ -370,6 +370,38 @@ def test_a_job_of_two_reader_processes_forked_from_it_indexes_every_row_once(
         assert server.stats()["fleet"]["drivers"] == 3_000
 
 
+def test_a_jobs_lookups_show_in_the_tiers_and_its_readers_keep_no_memory_tier(
+    tmp_path: Path,
+) -> None:
+    """A second job over the same file finds every row in the shared store: /v1/stats counts
+    them in ``hits`` and in the store tier's hits (keys found there: vectors and links; a
+    job's tier counters had stayed in its readers, 0 shown). A reader keeps no memory tier:
+    it never looks its own vectors up again, and its LRU held every vector it wrote, unread.
+    While a job runs, the server's memory tier is the worker's alone."""
+    drivers = generate_fleet(2_000, seed=9)
+    fleet = tmp_path / "fleet.jsonl"
+    write_records(drivers, fleet)
+    settings = {"workers": 1, "warmup_processes": 2, "fake_delay_ms": 20}
+    with FleetcacheServer(tmp_path / "server", **settings) as server:
+        worker_tier = server.stats()["cache"]["tiers"]["memory"]
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            first = start_job(client, fleet)
+            seen = []
+            while client.get(f"/v1/warmup/{first}").json()["state"] in ("queued", "running"):
+                seen.append(server.stats()["cache"]["tiers"]["memory"])
+                time.sleep(0.05)
+            assert job_ended(client, first, 1)["state"] == "done"
+            again = job_ended(client, start_job(client, fleet), 120)
+        cache = server.stats()["cache"]
+    assert seen and all(
+        (tier["entries"], tier["max_bytes"]) == (0, worker_tier["max_bytes"]) for tier in seen
+    ), seen
+    assert (again["state"], again["cached"], again["embedded"]) == ("done", 2_000, 0)
+    tiers = cache["tiers"]  # no dispatch traffic: every hit was found in the store
+    assert cache["hits"] >= 2_000
+    assert (tiers["memory"]["hits"], tiers["store"]["hits"] >= cache["hits"]) == (0, True), cache
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
 def test_a_job_process_runs_no_other_thread_when_it_forks_its_readers() -> None:
     """A fork copies only the thread that forks: another thread holding a lock then (a BLAS

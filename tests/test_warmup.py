@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import orjson
@@ -24,9 +28,12 @@ from engines.fake import FakeEngine
 from features.readers import iter_rows, write_records
 from features.synthetic import generate_fleet
 from features.text import driver_text
-from proxy import jobs
+from proxy import jobs, warmup
+from proxy import services as services_module
 from proxy.cli import app as cli
 from proxy.jobs import ProcessJobs
+from proxy.processes import ChildSpec
+from proxy.settings import Settings
 from proxy.warmup import RemoteSink, Shard, WarmupProgress, run_warmup
 from tests.conftest import make_settings, open_client, wait_ready
 from tests.serve_process import crash
@@ -426,3 +433,40 @@ def test_a_job_whose_process_is_gone_reads_failed_and_resumable(tmp_path: Path) 
     assert progress is not None
     assert (progress.state, progress.error, progress.rows) == ("failed", "server restarted", 500)
     assert progress.finished is not None
+
+
+def test_a_reader_runs_its_rows_with_the_heap_frozen_and_the_collector_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader keeps a chunk's records alive while their slices run: at the collector's
+    default thresholds it walked them again and again (a quarter of a reader's CPU measured
+    on 2 cores). Its services and the loop's rows run with the heap frozen and the thresholds
+    of ``READER_GC_THRESHOLDS``; both undone after. It opens no memory tier either."""
+    settings = make_settings(tmp_path / "data")
+    seen: dict[str, object] = {}
+
+    @contextlib.asynccontextmanager
+    async def worker_services(opened: Settings, cluster: object) -> AsyncIterator[object]:
+        seen["memory_cache_mb"] = opened.memory_cache_mb
+
+        async def answering(timeout_s: float) -> list[str]:
+            return []
+
+        yield SimpleNamespace(settings=opened, boards=None, wait_answering=answering)
+
+    async def rows(path: Path, sink: object, progress: WarmupProgress, **_: object) -> object:
+        seen["during"] = (gc.get_threshold(), gc.get_freeze_count() > 0)
+        return progress
+
+    monkeypatch.setattr(services_module, "open_worker_services", worker_services)
+    monkeypatch.setattr(warmup, "run_warmup", rows)
+    monkeypatch.setattr(ChildSpec, "cluster", lambda self, role="worker": None)
+    source = tmp_path / "fleet.jsonl"
+    fleet_file(source, 10)
+    options = jobs.JobOptions(str(source), 500, 5.0, str(tmp_path / "r.jsonl"), str(tmp_path / "c"))
+    spec = ChildSpec(settings.model_dump(mode="json"), str(tmp_path))
+    before = gc.get_threshold()
+    progress = WarmupProgress(source="fleet.jsonl")
+    asyncio.run(jobs.run_shard(spec, options, Shard(0, 1), progress, print, lambda: False))
+    assert seen == {"memory_cache_mb": 0.0, "during": (jobs.READER_GC_THRESHOLDS, True)}
+    assert (gc.get_threshold(), gc.get_freeze_count()) == (before, 0)
