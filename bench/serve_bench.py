@@ -125,14 +125,22 @@ class Server:
                 command, cwd=code, env=env, stdout=out, stderr=subprocess.STDOUT
             )
 
-    def wait_ready(self, timeout_s: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout_s
+    def wait_ready(self, timeout_s: float = 600.0, in_a_row: int = 16) -> None:
+        """Until ``in_a_row`` answers of /readyz in a row are 200, each on a new connection
+        (each worker answers for itself, ready once its own engine and index clients are:
+        one 200 does not say the others are; a prefill sent on the first 200 met a worker
+        still connecting to the engine, 503, on the H200 2026-12-03)."""
+        deadline, ready = time.monotonic() + timeout_s, 0
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise SystemExit(f"server exited:\n{self.log.read_text()[-4000:]}")
             with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{self.url}/readyz", timeout=5).status_code == 200:
+                ok = httpx.get(f"{self.url}/readyz", timeout=5).status_code == 200
+                ready = ready + 1 if ok else 0
+                if ready >= in_a_row:
                     return
+                if ready:
+                    continue
             time.sleep(0.25)
         raise SystemExit(f"server not ready in {timeout_s} s:\n{self.log.read_text()[-4000:]}")
 
@@ -208,7 +216,8 @@ def prefill(url: str) -> None:
         for start in range(0, POOL, 256):
             texts = [f"pool text #{i}" for i in range(start, start + 256)]
             response = client.post("/v1/embeddings", json={"input": texts})
-            response.raise_for_status()
+            if response.status_code != 200:  # the body says which 503 (or other) it was
+                raise SystemExit(f"prefill: {response.status_code} {response.text[:500]}")
 
 
 PROBE_GAP_MS = 10  # each probe connection sends one /healthz every 10 ms (a probe is periodic)
