@@ -8,10 +8,11 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 import zmq
 
-from proxy.ipc import LoopSocket
+from proxy.ipc import LoopSocket, RpcClient, RpcServer
 
 
 def pair(tmp_path: Path, clients: int) -> tuple[LoopSocket, list[LoopSocket]]:
@@ -146,3 +147,32 @@ def test_a_listener_gets_every_burst_in_order_and_a_failing_handler_loses_one_me
     seen = asyncio.run(main())
     assert sorted(seen) == [f"c{i}".encode() for i in range(clients)]
     assert all(bodies == list(range(each)) for bodies in seen.values())
+
+
+def test_a_client_pings_its_server_as_soon_as_it_connects(tmp_path: Path) -> None:
+    """A worker's client of an engine that binds its socket only once loaded (30-40 s on the
+    H200) is up the moment the connection is made, not at its next scheduled ping: one
+    worker answered /readyz 200 while another, still waiting to ping, answered a request
+    503. Pings 60 s apart here, so only the connection can bring it up within seconds."""
+    address = f"ipc://{tmp_path}/late.sock"
+
+    async def ping(message: dict[str, Any], blobs: list[zmq.Frame]) -> tuple[dict[str, Any], ()]:
+        return {"pid": 1}, ()
+
+    async def run() -> tuple[bool, float]:
+        client = await RpcClient(address, role="test", ping_s=60.0).start()
+        try:
+            await asyncio.sleep(1.0)  # its first ping failed: no server yet
+            server = RpcServer(address, {"ping": ping})
+            serving = asyncio.create_task(server.serve())
+            started = time.monotonic()
+            up = await client.wait_up(10.0)
+            serving.cancel()
+            server.close()
+            return up, time.monotonic() - started
+        finally:
+            await client.close()
+
+    up, took = asyncio.run(run())
+    assert up and took < 10.0, took
+    print(f"up {took * 1000:.0f} ms after the server bound")
