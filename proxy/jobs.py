@@ -56,10 +56,10 @@ JOB_SLICE = 256
 _PROGRESS_FIELDS = {f.name for f in fields(WarmupProgress)}
 # A reader's collector (``frozen_heap``): it allocates a few hundred containers a record
 # (validation, texts, ids) and keeps a chunk's records alive while their slices run, so at the
-# default thresholds (700) the collector walked them again and again. Measured on the 2-core
-# box, a reader's own work (reading 1 line in 3, validating, rendering, tokenizing, the
-# index's columns) over a 30,000-driver file: 61 us a feature at the default, 44-46 with the
-# heap frozen and these thresholds (the engine process's, ``ENGINE_GC_THRESHOLDS``).
+# default thresholds (700) the collector walked them again and again. A reader's own work
+# (reading 1 line in 3, validating, rendering, tokenizing, the index's columns) over 30,000
+# drivers, ``bench/reader_bench.py`` on the 2-core box: 76.5 us a feature at the default,
+# 50.5 with the heap frozen and these thresholds (the engine process's, medians of 5 runs).
 READER_GC_THRESHOLDS = (50_000, 20, 20)
 # The job process forks its shards (``run_job``): no thread may run in it then, not even
 # numpy's BLAS pool (a shard does no large linear algebra) or the background thread of
