@@ -16,8 +16,7 @@ one's from its words, each kept too: ``_WORD`` is BERT's split of lowercased ASC
 them. On fleet texts in requests of 32 (``bench/tokenize_bench.py`` on the 2-core box,
 2026-12-03): 144,247 and 191,534 texts/s, 8.5-9x ``encode_batch`` on one core; word by word,
 as before, 89,587 and 105,886 in the same turns (a regular expression and a lookup a word
-where a chunk now takes a split and a lookup; a driver's text, ~30 chunks and ~60 words: 17
--> 5 us once the cache is warm).
+where a chunk now takes a split and a lookup; a driver's text is ~30 chunks, ~60 words).
 Texts with any other whitespace, a control character or an added token ("[MASK]") go to
 ``encode_batch``. tests/test_tokenization.py proves the ids equal on real fleets and on random
 Unicode strings.

@@ -41,7 +41,7 @@ from typing import IO, Any
 
 from proxy.board import Boards
 from proxy.cores import usable_cores
-from proxy.processes import ChildSpec, frozen_heap
+from proxy.processes import ENGINE_GC_THRESHOLDS, ChildSpec, frozen_heap
 from proxy.settings import Settings
 from proxy.warmup import CHECKPOINT_EVERY_S, Shard, WarmupProgress, shown_source
 
@@ -59,8 +59,8 @@ _PROGRESS_FIELDS = {f.name for f in fields(WarmupProgress)}
 # default thresholds (700) the collector walked them again and again. A reader's own work
 # (reading 1 line in 3, validating, rendering, tokenizing, the index's columns) over 30,000
 # drivers, ``bench/reader_bench.py`` on the 2-core box: 76.5 us a feature at the default,
-# 50.5 with the heap frozen and these thresholds (the engine process's, medians of 5 runs).
-READER_GC_THRESHOLDS = (50_000, 20, 20)
+# 50.5 with the heap frozen and these thresholds, the engine process's (medians of 5 runs).
+READER_GC_THRESHOLDS = ENGINE_GC_THRESHOLDS
 # The job process forks its shards (``run_job``): no thread may run in it then, not even
 # numpy's BLAS pool (a shard does no large linear algebra) or the background thread of
 # pyarrow's jemalloc.

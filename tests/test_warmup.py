@@ -439,9 +439,10 @@ def test_a_reader_runs_its_rows_with_the_heap_frozen_and_the_collector_raised(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A reader keeps a chunk's records alive while their slices run: at the collector's
-    default thresholds it walked them again and again (a quarter of a reader's CPU measured
-    on 2 cores). Its services and the loop's rows run with the heap frozen and the thresholds
-    of ``READER_GC_THRESHOLDS``; both undone after. It opens no memory tier either."""
+    default thresholds it walked them again and again (a third of a reader's own work on 2
+    cores, ``bench/reader_bench.py``). Its services and the loop's rows run with the heap
+    frozen and the thresholds of ``READER_GC_THRESHOLDS``; both undone after. It opens no
+    memory tier either."""
     settings = make_settings(tmp_path / "data")
     seen: dict[str, object] = {}
 
