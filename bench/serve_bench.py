@@ -31,7 +31,9 @@ the same app in one process, ``create_app`` under uvicorn, as v1 ran) on a fresh
   every ``LOOKUP_GAP_MS``) alone, then beside a job over new drivers: their p99 during each
   job against alone in the same round (median of the rounds, and each round's ratio); and
   the plain tokenizer's ceiling on all cores over the same texts (``tokenizers.encode_batch``),
-  measured in the same run.
+  measured in the same run. ``--job-cpus`` gives the whole server those CPUs for the job
+  alone (every thread re-pinned, then back to ``--server-cpus``): the job on the cores the
+  tokenizer's ceiling had, where ``--server-cpus`` kept some for wrk.
 
 ``--code DIR`` serves another checkout (a before/after comparison in one device call).
 Each load phase runs ``--runs`` times: the table shows the median of the runs' figures and
@@ -676,7 +678,12 @@ def measure_warmup(args: argparse.Namespace, server: Server, wrk: Wrk, out: Path
             write_records(iter_fleet(args.warmup, seed=97 + seed), path)
     cpu = RoleCpu(server)
     before = server.metrics()
-    with profiled(args, server, out / f"profile-warmup-{server.workers}.txt", True), cpu:
+    profile = out / f"profile-warmup-{server.workers}.txt"
+    with (
+        pinned(server, args.job_cpus, args.server_cpus),
+        profiled(args, server, profile, True),
+        cpu,
+    ):
         job = run_job(server, files[0])
     stages = stage_means(before, server.metrics(), WARMUP_STAGES)
     paced = {"POOL": str(POOL), "FMT": "base64", "GAP_MS": str(LOOKUP_GAP_MS)}
@@ -703,7 +710,43 @@ def measure_warmup(args: argparse.Namespace, server: Server, wrk: Wrk, out: Path
         "cpu": cpu.rows(job["indexed"]),
         "stages": stages,
         "cpu_s": cpu.elapsed,
+        "job_cores": len(cpu_list(args.job_cpus or args.server_cpus)),
     }
+
+
+def cpu_list(spec: str) -> set[int]:
+    """A taskset cpu list (``0-11,14``) as a set; empty: every CPU this process may use."""
+    if not spec:
+        return set(os.sched_getaffinity(0))
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def pin(server: Server, cpus: set[int]) -> None:
+    """Every thread of every process of the server onto ``cpus`` (processes and threads
+    started later inherit their parent's)."""
+    for pid in tree(server.process.pid):
+        with contextlib.suppress(OSError):  # gone meanwhile
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(task.name), cpus)
+
+
+@contextlib.contextmanager
+def pinned(server: Server, cpus: str, back: str) -> Iterator[None]:
+    """With ``--job-cpus``: the whole server on those CPUs while the block runs (the job
+    alone, no load generator beside it), then on ``back`` (``--server-cpus``) again."""
+    if not cpus:
+        yield
+        return
+    pin(server, cpu_list(cpus))
+    try:
+        yield
+    finally:
+        pin(server, cpu_list(back))
 
 
 @contextlib.contextmanager
@@ -903,7 +946,8 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
         print_table(columns, table)
         for r in warm:
             print(
-                f"\nwhere the job alone's CPU went ({r['layout']}, {r['warmup']['cpu_s']:.1f} s "
+                f"\nwhere the job alone's CPU went ({r['layout']}, on "
+                f"{r['warmup']['job_cores']} cores, {r['warmup']['cpu_s']:.1f} s "
                 "from its POST to its end, its processes' start included):"
             )
             print_table(
@@ -959,6 +1003,9 @@ def main() -> None:
     parser.add_argument("--wrk-threads", type=int, default=4)
     parser.add_argument("--wrk-cpus", default="", help="taskset cpu list for wrk")
     parser.add_argument("--server-cpus", default="", help="taskset cpu list for the server")
+    parser.add_argument(
+        "--job-cpus", default="", help="the server's cpu list while the job runs alone"
+    )
     parser.add_argument("--out", default=None, help="directory for logs and stats")
     parser.add_argument("--profile", default="", help="py-spy binary: profile misses, warm-up")
     parser.add_argument("--profile-gil", action="store_true", help="only threads holding the GIL")
