@@ -59,9 +59,12 @@ MAX_CACHED_WORDS = 50_000
 MAX_CACHED_WORD_CHARS = 64
 
 # Shape buckets: a batch runs at the smallest bucket that holds it (graphs and profiles exist
-# for these shapes only). Powers of two keep padding under 2x.
+# for these shapes only). Powers of two keep padding under 2x; the sequence buckets also have
+# the steps between (1.5x): a fleet's driver texts are 31-86 tokens, so their batches ran at
+# 128 columns, and at 96 the H200's forward of 256 of them took 2.83 ms against 3.55, the
+# same vectors (``bench/seq_bucket_bench.py``, docs/BENCHMARKS.md, 2026-12-04).
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-DEFAULT_SEQ_BUCKETS = (16, 32, 64, 128, 256)
+DEFAULT_SEQ_BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256)
 
 
 def bucket_for(size: int, buckets: Sequence[int]) -> int:

@@ -37,8 +37,8 @@ def test_buckets() -> None:
     assert [bucket_for(n, (1, 4, 16)) for n in (1, 2, 4, 5, 16)] == [1, 4, 4, 16, 16]
     with pytest.raises(ValueError, match="largest bucket"):
         bucket_for(17, (1, 4, 16))
-    assert seq_buckets_for(256) == (16, 32, 64, 128, 256)
-    assert seq_buckets_for(100) == (16, 32, 64, 100)
+    assert seq_buckets_for(256) == (16, 32, 48, 64, 96, 128, 192, 256)
+    assert seq_buckets_for(100) == (16, 32, 48, 64, 96, 100)
 
 
 @pytest.mark.model
