@@ -152,6 +152,50 @@ class MemoryByteStore(CacheStore):
         }
 
 
+class GroupCommit:
+    """Writes that arrive while ``commit`` runs go in its next call together, each call taking
+    the queued writes until it holds ``max_group`` entries (whole writes: one may pass the
+    mark); each write returns, or raises, with its group. Follows the event loop of the
+    latest write (a store may serve one loop after another)."""
+
+    def __init__(
+        self, commit: Callable[[Sequence[tuple[str, bytes]]], Awaitable[None]], max_group: int
+    ) -> None:
+        self._commit = commit
+        self.max_group = max_group
+        self._queued: list[tuple[Sequence[tuple[str, bytes]], asyncio.Future[None]]] = []
+        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def __call__(self, items: Sequence[tuple[str, bytes]]) -> None:
+        if not items:
+            return
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        self._queued.append((items, done))
+        if self._task is None or self._task.done() or self._loop is not loop:
+            self._task, self._loop = loop.create_task(self._run()), loop
+        await done
+
+    async def _run(self) -> None:
+        while self._queued:
+            taken, size = 0, 0
+            while taken < len(self._queued) and (not taken or size < self.max_group):
+                size += len(self._queued[taken][0])
+                taken += 1
+            group, self._queued = self._queued[:taken], self._queued[taken:]
+            try:
+                await self._commit([pair for pairs, _ in group for pair in pairs])
+            except Exception as exc:
+                for _, done in group:
+                    if not done.done():
+                        done.set_exception(exc)
+            else:
+                for _, done in group:
+                    if not done.done():
+                        done.set_result(None)
+
+
 class LmdbByteStore(CacheStore):
     """``str -> bytes`` in LMDB: one environment (a directory holding data.mdb and lock.mdb,
     and the files of its boot guard, ``cache.boot``), or ``partitions`` of the keys (by a
@@ -256,11 +300,8 @@ class LmdbByteStore(CacheStore):
             self._syncer.start()
         self._max_key = self._env.max_key_size()
         self._scan_chunk = scan_chunk
-        self.max_group = max_group
         self._closed = False
-        self._group: list[tuple[Sequence[tuple[str, bytes]], asyncio.Future[None]]] = []
-        self._committer: asyncio.Task[None] | None = None
-        self._committer_loop: asyncio.AbstractEventLoop | None = None
+        self._grouped = GroupCommit(self._commit, max_group)
 
     def _key(self, key: str) -> bytes:
         raw = key.encode("utf-8")
@@ -382,34 +423,12 @@ class LmdbByteStore(CacheStore):
         until it holds ``max_group`` entries: behind a backlog, a write still ends within one
         transaction's time (each entry costs a 4 KiB page: ~57 us with the fsync on the H200's
         disk, ``bench/lmdb_write_bench.py``), not after one transaction of the whole backlog."""
-        if not key_value_pairs:
-            return
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
-        self._group.append((key_value_pairs, done))
-        if self._committer is None or self._committer.done() or self._committer_loop is not loop:
-            self._committer = loop.create_task(self._commit_groups())
-            self._committer_loop = loop
-        await done
+        await self._grouped(key_value_pairs)
 
-    async def _commit_groups(self) -> None:
-        while self._group:
-            taken, size = 0, 0
-            while taken < len(self._group) and (not taken or size < self.max_group):
-                size += len(self._group[taken][0])
-                taken += 1
-            group, self._group = self._group[:taken], self._group[taken:]
-            items = [pair for pairs, _ in group for pair in pairs]
-            try:
-                await self._commit(items)
-            except Exception as exc:
-                for _, done in group:
-                    if not done.done():
-                        done.set_exception(exc)
-            else:
-                for _, done in group:
-                    if not done.done():
-                        done.set_result(None)
+    @property
+    def max_group(self) -> int:
+        """Entries a transaction takes at most (whole calls: one may pass the mark)."""
+        return self._grouped.max_group
 
     async def _commit(self, items: Sequence[tuple[str, bytes]]) -> None:
         """One write transaction of a group's ``items``."""

@@ -33,7 +33,9 @@ process a partition below the child (``PartitionWriters``): the child encodes an
 above, then sends each partition's entries to its writer (the links of all first, then the
 rest: ``cache.stores.POINTER_PREFIX``), and each commits its own with its own fsync, beside
 the others. Threads of one process could not (``LmdbByteStore``); processes on the H200's
-disk took 4-5x one environment's entries a second with 8 (docs/BENCHMARKS.md).
+disk took 4-5x one environment's entries a second with 8 (docs/BENCHMARKS.md). The messages
+that arrive while the partitions write go out together in the next write (``GroupCommit``),
+not each to every partition in two phases of its own.
 
 The child dies with the engine process (PDEATHSIG) and the engine starts another on the next
 write after it exited (a partition's writer, likewise, dies with the child, and the child
@@ -58,7 +60,7 @@ from typing import Any
 import numpy as np
 
 from cache.codec import RowEntries
-from cache.stores import GiB, LmdbByteStore, fsync_options
+from cache.stores import GiB, GroupCommit, LmdbByteStore, fsync_options
 from proxy.ipc import Handler, RpcClient, RpcServer, error_payload, payload_error
 
 log = logging.getLogger("fleetcache.engine")
@@ -229,6 +231,10 @@ class PartitionWriters:
         self._processes: list[BaseProcess] = []
         self._clients: list[RpcClient] = []
         self.starts = 0
+        # the child's messages that arrive while a write is under way go out together in the
+        # next: a message a partition and phase for all of them, not for each
+        self._grouped = GroupCommit(self._fan_out, store.max_group * store.partitions)
+        self.writes = 0  # fan-outs (each: a message to each partition it touches, a phase)
 
     async def start(self, timeout_s: float = 30.0) -> PartitionWriters:
         # The engine started this child as a daemon (it is terminated with the engine), and
@@ -252,8 +258,13 @@ class PartitionWriters:
         return process
 
     async def amset(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """``items`` written with those of the calls made meanwhile (``GroupCommit``)."""
+        await self._grouped(items)
+
+    async def _fan_out(self, items: Sequence[tuple[str, bytes]]) -> None:
         """Each partition's share of ``items`` to its writer, all at once: the links first
         (``LmdbByteStore.write_phases``), the rest once they are committed."""
+        self.writes += 1
         for phase in self._store.write_phases([key.encode() for key, _ in items]):
             writes = [self._write(i, [items[j] for j in at]) for i, at in phase.items()]
             await asyncio.gather(*writes)

@@ -151,6 +151,46 @@ def test_partition_writers_commit_the_links_before_the_rest(tmp_path: Path) -> N
     store.close()
 
 
+def test_partition_writers_send_the_calls_made_during_a_write_together(tmp_path: Path) -> None:
+    """Calls made while a write is under way go out in the next one, each partition's share
+    of all of them in one message a phase; each call returns once its own entries are
+    written, and a write that fails fails the calls it carried, not those after it."""
+    from proxy.lmdb_writer import PartitionWriters
+
+    store = LmdbByteStore(tmp_path / "db", partitions=3)
+    writers = PartitionWriters(store, 0.0, "ipc://@unused", "info")
+    sent: list[list[str]] = []
+    failing = {"bad-0"}
+
+    async def write(partition: int, items: list[tuple[str, bytes]]) -> None:
+        sent.append([key for key, _ in items])
+        await asyncio.sleep(0.02)
+        if failing & {key for key, _ in items}:
+            raise OSError("disk gone")
+
+    writers._write = write  # type: ignore[method-assign]
+
+    async def main() -> list[BaseException | None]:
+        first = asyncio.create_task(writers.amset([(f"a-{i}", b"v") for i in range(9)]))
+        await asyncio.sleep(0.005)  # the first write is under way
+        later = [writers.amset([(f"g{c}-{i}", b"v") for i in range(9)]) for c in range(4)]
+        results = await asyncio.gather(first, *later, return_exceptions=True)
+        bad = await asyncio.gather(writers.amset([("bad-0", b"v")]), return_exceptions=True)
+        after = await asyncio.gather(writers.amset([("c-0", b"v")]), return_exceptions=True)
+        return [*results, *bad, *after]
+
+    outcome = asyncio.run(main())
+    assert outcome[:5] == [None] * 5
+    assert writers.writes == 4  # the first; the four calls made during it; bad; after
+    grouped = [keys for keys in sent if any(k.startswith("g") for k in keys)]
+    assert len(grouped) <= 3  # one message a partition for the four calls' 36 entries
+    assert sorted(k for keys in grouped for k in keys) == sorted(
+        f"g{c}-{i}" for c in range(4) for i in range(9)
+    )
+    assert isinstance(outcome[5], OSError) and outcome[6] is None
+    store.close()
+
+
 @pytest.mark.parametrize(
     ("setting", "cores", "expected"),
     [
