@@ -301,7 +301,8 @@ class LmdbByteStore(CacheStore):
         self._max_key = self._env.max_key_size()
         self._scan_chunk = scan_chunk
         self._closed = False
-        self._grouped = GroupCommit(self._commit, max_group)
+        # looked up at each commit: a subclass's or an instance's own ``_commit`` (tests hold it)
+        self._grouped = GroupCommit(lambda items: self._commit(items), max_group)
 
     def _key(self, key: str) -> bytes:
         raw = key.encode("utf-8")
