@@ -146,7 +146,7 @@ class Shard:
         character (nothing for ``keeps`` to strip); else None (parsed, then ``keeps``). Every
         reader decides a line alike, so each line, valid or not, is one reader's. Fleet
         files' lines all take this way: a reader parses only its own (about 1/N of them)."""
-        at = raw.find(_ID_KEY)  # find: a third of the time of ``in`` and ``count`` here
+        at = raw.find(_ID_KEY)  # find, not in or count: the fastest of the three on these lines
         if at < 0 or raw.find(_ID_KEY, at + len(_ID_KEY)) >= 0 or raw.find(b"\\") >= 0:
             return None
         found = _RAW_ID.match(raw, at)
