@@ -485,6 +485,32 @@ class LmdbByteStore(CacheStore):
                 guard.release(synced=True)
 
 
+class _Guarded:
+    """One store call of a ``TieredByteStore`` (``_guarded``): an ``Exception`` from the block
+    is counted and absorbed, a success ends degraded mode; ``ok`` says which. Cancellation
+    and other ``BaseException``s go on."""
+
+    __slots__ = ("_op", "_tiers", "ok")
+
+    def __init__(self, tiers: TieredByteStore, op: str) -> None:
+        self._tiers, self._op, self.ok = tiers, op, False
+
+    def __enter__(self) -> _Guarded:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any
+    ) -> bool:
+        if exc is None:
+            self.ok = True
+            self._tiers._store_ok()
+            return False
+        if not isinstance(exc, Exception):
+            return False
+        self._tiers._store_failed(self._op, exc)
+        return True
+
+
 class TieredByteStore(CacheStore):
     """Memory first, then ``store`` for the keys memory lacks; a store hit is promoted.
 
@@ -542,6 +568,11 @@ class TieredByteStore(CacheStore):
             return "none"
         return str(getattr(self.store, "kind", type(self.store).__name__))
 
+    def _guarded(self, op: str) -> _Guarded:
+        """``with self._guarded(op) as call:`` around one store call, sync or async: its
+        exception counted and absorbed, its success ending degraded mode (``call.ok``)."""
+        return _Guarded(self, op)
+
     def _store_failed(self, op: str, exc: BaseException) -> None:
         self._errors.record(op, exc)
         with self._lock:
@@ -595,50 +626,33 @@ class TieredByteStore(CacheStore):
         store = self._live_store() if missing else None
         if store is None:
             return values
-        try:
+        with self._guarded("mget") as call:
             fetched = store.mget([keys[i] for i in missing])
-        except Exception as exc:
-            self._store_failed("mget", exc)
-            return values
-        self._store_ok()
-        return self._merge(keys, values, missing, fetched)
+        return self._merge(keys, values, missing, fetched) if call.ok else values
 
     async def amget(self, keys: Sequence[str]) -> list[bytes | None]:
         values, missing = self._from_memory(keys)
         store = self._live_store() if missing else None
         if store is None:
             return values
-        try:
+        with self._guarded("mget") as call:
             fetched = await store.amget([keys[i] for i in missing])
-        except Exception as exc:
-            self._store_failed("mget", exc)
-            return values
-        self._store_ok()
-        return self._merge(keys, values, missing, fetched)
+        return self._merge(keys, values, missing, fetched) if call.ok else values
 
     def mset(self, key_value_pairs: Sequence[tuple[str, bytes]]) -> None:
         store = self._live_store() if key_value_pairs else None
         if store is not None:
-            try:
+            with self._guarded("mset"):
                 store.mset(key_value_pairs)
-            except Exception as exc:
-                self._store_failed("mset", exc)
-            else:
-                self._store_ok()
         self.memory.mset(key_value_pairs)
 
     async def _awrite(self, write: Callable[[ByteStore], Awaitable[None]]) -> None:
         """``write`` to the store, unless it is skipped while degraded: a failure is counted
         and absorbed (``amset``, ``amset_rows``)."""
         store = self._live_store()
-        if store is None:
-            return
-        try:
-            await write(store)
-        except Exception as exc:
-            self._store_failed("mset", exc)
-        else:
-            self._store_ok()
+        if store is not None:
+            with self._guarded("mset"):
+                await write(store)
 
     async def amset(self, key_value_pairs: Sequence[tuple[str, bytes]]) -> None:
         if key_value_pairs:
@@ -658,22 +672,14 @@ class TieredByteStore(CacheStore):
 
     def mdelete(self, keys: Sequence[str]) -> None:
         if self.store is not None and keys:
-            try:
+            with self._guarded("mdelete"):
                 self.store.mdelete(keys)
-            except Exception as exc:
-                self._store_failed("mdelete", exc)
-            else:
-                self._store_ok()
         self.memory.mdelete(keys)
 
     async def amdelete(self, keys: Sequence[str]) -> None:
         if self.store is not None and keys:
-            try:
+            with self._guarded("mdelete"):
                 await self.store.amdelete(keys)
-            except Exception as exc:
-                self._store_failed("mdelete", exc)
-            else:
-                self._store_ok()
         self.memory.mdelete(keys)
 
     def yield_keys(self, *, prefix: str | None = None) -> Iterator[str]:
@@ -682,12 +688,10 @@ class TieredByteStore(CacheStore):
         yield from seen
         if self.store is None:
             return
-        try:
+        with self._guarded("yield_keys"):
             for key in self.store.yield_keys(prefix=prefix):
                 if key not in seen:
                     yield str(key)
-        except Exception as exc:
-            self._store_failed("yield_keys", exc)
 
     async def ayield_keys(self, *, prefix: str | None = None) -> AsyncIterator[str]:
         seen = set(self.memory.yield_keys(prefix=prefix))
@@ -695,12 +699,10 @@ class TieredByteStore(CacheStore):
             yield key
         if self.store is None:
             return
-        try:
+        with self._guarded("yield_keys"):
             async for key in self.store.ayield_keys(prefix=prefix):
                 if key not in seen:
                     yield str(key)
-        except Exception as exc:
-            self._store_failed("yield_keys", exc)
 
     def _memory_contains(self, keys: Sequence[str]) -> tuple[list[bool], list[int]]:
         found = self.memory.contains(keys)
@@ -709,7 +711,6 @@ class TieredByteStore(CacheStore):
     def _merge_found(
         self, found: list[bool], missing: list[int], in_store: Sequence[bool]
     ) -> list[bool]:
-        self._store_ok()
         for i, f in zip(missing, in_store, strict=True):
             found[i] = f
         return found
@@ -720,15 +721,12 @@ class TieredByteStore(CacheStore):
         if store is None:
             return found
         sub = [keys[i] for i in missing]
-        try:
+        with self._guarded("contains") as call:
             if isinstance(store, CacheStore):
                 in_store = store.contains(sub)
             else:
                 in_store = [v is not None for v in store.mget(sub)]
-        except Exception as exc:
-            self._store_failed("contains", exc)
-            return found
-        return self._merge_found(found, missing, in_store)
+        return self._merge_found(found, missing, in_store) if call.ok else found
 
     async def acontains(self, keys: Sequence[str]) -> list[bool]:
         found, missing = self._memory_contains(keys)
@@ -736,15 +734,12 @@ class TieredByteStore(CacheStore):
         if store is None:
             return found
         sub = [keys[i] for i in missing]
-        try:
+        with self._guarded("contains") as call:
             if isinstance(store, CacheStore):
                 in_store = await store.acontains(sub)
             else:
                 in_store = [v is not None for v in await store.amget(sub)]
-        except Exception as exc:
-            self._store_failed("contains", exc)
-            return found
-        return self._merge_found(found, missing, in_store)
+        return self._merge_found(found, missing, in_store) if call.ok else found
 
     def info(self) -> dict[str, Any]:
         store_info: dict[str, Any] = {"kind": self.store_kind}
