@@ -629,8 +629,12 @@ def kill_engine_under_load(server: Server, wrk: Wrk, connections: int, seconds: 
 def run_job(server: Server, fleet: Path) -> dict[str, Any]:
     """POST a JSONL body to /v1/warmup and wait for the job to end; with its timeline
     (``first_s``: from the POST to its first indexed records; ``steady_per_s``: features/s
-    between 10% and 90% of its records, what its start and end leave out)."""
+    between 10% and 90% of its records, what its start and end leave out) and
+    ``queue_empty``: the share of the samples of the engine's queue (``/v1/stats``
+    ``queue.depth``, every ~0.1 s between the first rows and the end) that found no text
+    waiting there: while it is empty, the engine waits for the job's readers."""
     samples: list[tuple[float, int]] = []  # (seconds after the POST, indexed)
+    depths: list[int] = []  # the engine's queue, sampled once the first rows are in
     with httpx.Client(base_url=server.url, timeout=600) as client:
         posted = time.monotonic()
         response = client.post(
@@ -642,11 +646,14 @@ def run_job(server: Server, fleet: Path) -> dict[str, Any]:
         job_id = response.json()["id"]
         while (job := client.get(f"/v1/warmup/{job_id}").json())["state"] in ("queued", "running"):
             samples.append((time.monotonic() - posted, job["indexed"]))
+            if job["indexed"] and len(samples) % 2:
+                depths.append(client.get("/v1/stats").json()["queue"]["depth"])
             time.sleep(0.05)
     if job["state"] != "done":
         raise SystemExit(f"warm-up job ended {job['state']}: {job.get('error')}")
     samples.append((time.monotonic() - posted, job["indexed"]))
-    return {**job, **job_timeline(samples)}
+    empty = sum(d == 0 for d in depths) / len(depths) if depths else float("nan")
+    return {**job, **job_timeline(samples), "queue_empty": empty}
 
 
 def job_timeline(samples: list[tuple[float, int]]) -> dict[str, float]:
@@ -704,6 +711,7 @@ def measure_warmup(args: argparse.Namespace, server: Server, wrk: Wrk, out: Path
         "first_s": job["first_s"],
         "steady_per_s": job["steady_per_s"],
         "total_s": job["total_s"],
+        "queue_empty": job["queue_empty"],
         "beside_features_per_s": statistics.median(beside),
         "lookup_p99_alone_ms": alone,
         "lookup_p99_during_ms": during,
@@ -965,6 +973,14 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
             print_table(
                 ["layout", *stages],
                 [[r["layout"], *(f"{m:.2f} ({c:,.0f})" for m, c in stages.values())]],
+            )
+            w = r["warmup"]
+            mean_ms, batches = stages.get("batch: forward", (0.0, 0.0))
+            running = w["total_s"] - w["first_s"]
+            print(
+                f"from its first rows to its end ({running:.2f} s): the device's batches "
+                f"{mean_ms * batches / 1e3:.2f} s of it ({mean_ms * batches / 1e3 / running:.0%}); "
+                f"the engine's queue empty in {w['queue_empty']:.0%} of its samples"
             )
 
 
