@@ -334,7 +334,7 @@ class CachedEmbedder(_AsyncEmbeddings):
             self._flight: Flight = compute
             self._local: SingleFlight | None = None
             own = store.memory if isinstance(store, TieredByteStore) else store
-            if not (isinstance(own, MemoryByteStore) and own.max_bytes == 0):  # keeps nothing
+            if not (isinstance(own, MemoryByteStore) and own.keeps_nothing):
                 write_to = VectorWriter(
                     own,
                     namespace=namespace,

@@ -77,6 +77,11 @@ class MemoryByteStore(CacheStore):
     def max_bytes(self) -> int:
         return self._max_bytes
 
+    @property
+    def keeps_nothing(self) -> bool:
+        """``max_bytes=0``: the tier is off (nothing is worth encoding for it)."""
+        return self._max_bytes == 0
+
     def mget(self, keys: Sequence[str]) -> list[_Bytes | None]:
         with self._lock:
             get, touch = self._data.get, self._data.move_to_end
@@ -665,7 +670,7 @@ class TieredByteStore(CacheStore):
         """``amset`` of ``rows`` and ``extra``, the rows encoded by the store itself when
         this tier keeps no copy in memory (the engine process's shared tier: a writer child
         encodes them in its own interpreter), else here, once, for both tiers."""
-        if self.memory.max_bytes or not isinstance(self.store, CacheStore):
+        if not self.memory.keeps_nothing or not isinstance(self.store, CacheStore):
             await self.amset([*rows.entries(), *extra])
         elif len(rows.keys) or extra:
             await self._awrite(lambda store: cast("CacheStore", store).amset_rows(rows, extra))

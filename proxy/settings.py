@@ -155,7 +155,7 @@ class Settings(BaseSettings):
         "auto", description="reader processes of one warm-up job (auto: usable cores / 2, <= 8)"
     )
     warmup_depth: int = Field(
-        6, ge=1, le=64, description="chunks each warm-up reader has in the server at once"
+        12, ge=1, le=64, description="chunks each warm-up reader has in the server at once"
     )
     # A worker serves ~900-1,200 requests of 32 cached texts a second on the H200 machine and
     # ~2,300 on the 2-core box (docs/BENCHMARKS.md): 64 waiting is 30-70 ms of queue; past

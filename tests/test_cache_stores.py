@@ -120,6 +120,7 @@ def test_memory_store_with_zero_budget_stores_nothing() -> None:
     mem = MemoryByteStore(0)
     mem.mset([("k", b"v")])
     assert (mem.mget(["k"]), mem.entries, mem.bytes) == ([None], 0, 0)
+    assert mem.keeps_nothing and not MemoryByteStore(1).keeps_nothing
     with pytest.raises(ValueError):
         MemoryByteStore(-1)
 
