@@ -154,6 +154,8 @@ class Settings(BaseSettings):
     warmup_processes: int | Literal["auto"] = Field(
         "auto", description="reader processes of one warm-up job (auto: usable cores / 2, <= 8)"
     )
+    # 12 against 6 on the H200: a 200,000-driver job 0.77-0.84 of the tokenizer's ceiling
+    # against 0.63-0.81, the engine's queue empty less often (docs/BENCHMARKS.md, 2026-12-04)
     warmup_depth: int = Field(
         12, ge=1, le=64, description="chunks each warm-up reader has in the server at once"
     )
