@@ -562,7 +562,11 @@ class RoleCpu:
         }
         if (parent_role := self.roles.get(parent) or self.role(parent)) in below:
             return below[parent_role]  # a forked shard has its job's command line
-        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        from proxy.jobs import STARTER_NAME
+
+        if Path(f"/proc/{pid}/comm").read_text().strip() == STARTER_NAME:  # and its jobs
+            return "job starter" if parent == self.server.process.pid else "warm-up job"
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()  # one a worker started itself
         return "warm-up job" if b"proxy.jobs" in command else "other"
 
     def rows(self, features: int) -> list[list[str]]:

@@ -7,6 +7,8 @@
                                    before loading
     index       index_main         IndexHost behind an RpcServer at <run dir>/index.sock
     worker x N  worker_main        uvicorn on the shared listening socket, create_app(cluster)
+    starter     starter_main       (proxy.jobs) forks each warm-up job of the server, asked by
+                                   a worker at <run dir>/job-starter.sock
     job         demo_main          loads the demo fleet through the cache, the engine and the
                                    index like any client, then marks the index ready
 
@@ -45,6 +47,7 @@ from proxy.services import Cluster, Services, open_worker_services
 from proxy.settings import DEMO_CHUNK, Settings
 
 log = logging.getLogger("fleetcache.proxy")
+_PR_SET_NAME = 15
 _PR_SET_PDEATHSIG = 1
 
 
@@ -98,6 +101,13 @@ def become_child(role: str, level: str) -> None:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def name_process(name: str) -> None:
+    """What ``ps``, ``top`` and /proc/<pid>/comm call this process (15 bytes at most) and the
+    processes it forks."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15])
 
 
 def _stop_event() -> asyncio.Event:

@@ -4,8 +4,9 @@ Start: the listening socket is bound here, once; the engine processes start firs
 device of ``FLEETCACHE_DEVICE``, ``engine_devices``) and each writes its identity
 (fingerprint, dimension) before it loads the model; they must agree on the fingerprint (one
 cache namespace), or nothing else starts; then the fleet index owner,
-the HTTP workers (each serving the same socket: the kernel spreads connections over them) and,
-with a demo fleet, the job that loads it. ``/readyz`` is 503 on every worker until the engine
+the HTTP workers (each serving the same socket: the kernel spreads connections over them), the
+job starter (it forks the warm-up jobs, ``proxy.jobs``) and, with a demo fleet, the job that
+loads it. ``/readyz`` is 503 on every worker until the engine
 is warm and the index is loaded.
 
 While running: a process that exits is started again (its slot's restart count grows, shown
@@ -21,8 +22,8 @@ a load that keeps every worker busy its probe waits behind them (16x its idle p9
 docs/BENCHMARKS.md); the supervisor's thread waits behind nothing. Point liveness probes here.
 
 Stop (SIGTERM or Ctrl-C): the workers first (they stop accepting and finish what they hold),
-then the jobs, the engine (its batch in flight finishes and is written back) and the index
-last (it saves its snapshot). Whatever does not stop within its grace is killed.
+then the job starter and the jobs, the engine (its batch in flight finishes and is written
+back) and the index last (it saves its snapshot). Whatever does not stop within its grace is killed.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from typing import Any
 
 from proxy.board import INDEX_SLOT, Board, engine_slot
 from proxy.cores import usable_cores
-from proxy.jobs import SPEC_FILE, stop_jobs
+from proxy.jobs import NO_THREADS, SPEC_FILE, starter_main, stop_jobs
 from proxy.processes import (
     ChildSpec,
     demo_main,
@@ -63,7 +64,7 @@ from proxy.settings import MAX_DEVICES, Settings
 log = logging.getLogger("fleetcache.supervisor")
 MAX_BACKOFF_S = 10.0
 QUICK_DEATH_S = 5.0  # a process that dies sooner than this after its start is backed off
-STOP_GRACE_S = {"worker": 35.0, "job": 10.0, "engine": 30.0, "index": 60.0}
+STOP_GRACE_S = {"worker": 35.0, "starter": 5.0, "job": 10.0, "engine": 30.0, "index": 60.0}
 
 
 def auto_workers(cores: int | None = None) -> int:
@@ -142,6 +143,7 @@ class Slot:
     wanted: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
     label: str = ""  # how the log names it (default: its role and worker slot)
+    env: dict[str, str] = field(default_factory=dict)  # set for it (spawned: before imports)
 
 
 class Supervisor:
@@ -225,6 +227,9 @@ class Supervisor:
             worker.start = self._worker_start(spec, worker)
             self.slots.append(worker)
             self._start(worker, board)
+        starter = Slot("starter", -1, child(starter_main, "fleetcache-job-starter"), env=NO_THREADS)
+        self.slots.append(starter)
+        self._start(starter, board)
         demo = None
         if self.settings.demo_drivers:
             demo = Slot("job", -1, child(demo_main, "fleetcache-demo"))
@@ -341,7 +346,8 @@ class Supervisor:
 
     def _start(self, slot: Slot, board: Board) -> None:
         process = slot.start()
-        process.start()
+        with environment(slot.env):
+            process.start()
         slot.process, slot.started_at = process, time.monotonic()
         if slot.board_slot >= 0:
             board.process(slot.board_slot, process.pid or 0, slot.restarts)
@@ -357,7 +363,7 @@ class Supervisor:
 
     def _stop_all(self, board: Board) -> None:
         self._stopping = True
-        for role in ("worker", "job", "engine", "index"):
+        for role in ("worker", "starter", "job", "engine", "index"):
             if role == "job":  # warm-up jobs too (they keep their checkpoint)
                 stop_jobs(self.settings, self._run_name, STOP_GRACE_S["job"])
             stopping = [s for s in self.slots if s.role == role and s.process is not None]
@@ -375,6 +381,22 @@ class Supervisor:
                     process.kill()
                     process.join(5)
                 slot.process = None
+
+
+@contextlib.contextmanager
+def environment(extra: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``extra`` while the block runs: what a spawned child inherits.
+    (Only the supervisor's own thread reads or writes it.)"""
+    before = {name: os.environ.get(name) for name in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

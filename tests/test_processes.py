@@ -10,6 +10,7 @@ engine process dies and comes back.
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
 import signal
@@ -30,8 +31,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from features.readers import write_records
 from features.synthetic import generate_fleet
 from features.text import driver_text
-from proxy.jobs import NO_THREADS
-from tests.serve_process import FleetcacheServer, alive, free_port
+from proxy.jobs import NICE, NO_THREADS, STARTER_NAME, STARTER_SOCKET
+from tests.serve_process import FleetcacheServer, alive, descendants, free_port
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -401,6 +402,67 @@ def test_a_jobs_lookups_show_in_the_tiers_and_its_readers_keep_no_memory_tier(
     tiers = cache["tiers"]  # no dispatch traffic: every hit was found in the store
     assert cache["hits"] >= 2_000
     assert (tiers["memory"]["hits"], tiers["store"]["hits"] >= cache["hits"]) == (0, True), cache
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def job_starter(server: FleetcacheServer) -> int | None:
+    """The supervisor's child named ``fleetcache-jobs``, once it listens for job ids."""
+    assert server.process is not None
+    for pid in descendants(server.process.pid):
+        with contextlib.suppress(OSError):
+            named = Path(f"/proc/{pid}/comm").read_text().strip() == STARTER_NAME
+            if named and parent_of(pid) == server.process.pid:
+                sockets = Path(f"/proc/{pid}/net/unix").read_text()
+                return pid if STARTER_SOCKET in sockets else None
+    return None
+
+
+def test_a_job_is_forked_by_the_job_starter_and_started_without_it(tmp_path: Path) -> None:
+    """The job starter imported what a job runs when the server started, so a job forked
+    from it starts in milliseconds, in a session of its own, below the workers; killed, it
+    is restarted, and meanwhile a worker starts the job itself; its jobs outlive it."""
+    fleet = tmp_path / "fleet.jsonl"
+    write_records(generate_fleet(2_000, seed=11), fleet)
+    jobs_dir = tmp_path / "server" / "data" / "warmup" / "jobs"
+    with FleetcacheServer(tmp_path / "server", workers=1, fake_delay_ms=300) as server:
+        deadline = time.monotonic() + 60
+        while (starter := job_starter(server)) is None:
+            assert time.monotonic() < deadline, "no job starter listening within 60 s"
+            time.sleep(0.1)
+        assert len(list(Path(f"/proc/{starter}/task").iterdir())) == 1  # no thread: forks safely
+        worker = server.pids()["workers"][0]["pid"]
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            first = start_job(client, fleet)
+            pid = json.loads((jobs_dir / f"{first}.json").read_text())["pid"]
+            assert (parent_of(pid), os.getsid(pid)) == (starter, pid)
+            expected = min(19, os.getpriority(os.PRIO_PROCESS, worker) + NICE)
+            assert os.getpriority(os.PRIO_PROCESS, pid) == expected
+            # the supervisor held still, so that it does not start another one meanwhile
+            os.kill(server.process.pid, signal.SIGSTOP)
+            try:
+                os.kill(starter, signal.SIGKILL)
+                while Path(f"/proc/{starter}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    time.sleep(0.01)
+                second = start_job(client, fleet)
+            finally:
+                os.kill(server.process.pid, signal.SIGCONT)
+            by_worker = json.loads((jobs_dir / f"{second}.json").read_text())["pid"]
+            assert parent_of(by_worker) == worker
+            assert os.getpriority(os.PRIO_PROCESS, by_worker) == expected
+            assert job_ended(client, first, 120)["state"] == "done"
+            assert job_ended(client, second, 120)["state"] == "done"
+        while (replacement := job_starter(server)) in (None, starter):
+            assert time.monotonic() < deadline + 60, "the job starter was not restarted"
+            time.sleep(0.1)
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            third = start_job(client, fleet)
+            pid = json.loads((jobs_dir / f"{third}.json").read_text())["pid"]
+            assert parent_of(pid) == replacement
+            assert job_ended(client, third, 120)["cached"] == 2_000
+        assert server.stats()["fleet"]["drivers"] == 2_000
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")

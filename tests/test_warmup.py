@@ -7,10 +7,12 @@ import contextlib
 import gc
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -404,6 +406,41 @@ def test_a_job_process_runs_below_the_workers_from_its_start(tmp_path: Path) -> 
     pid = json.loads((settings.data_dir / "warmup" / "jobs" / f"{job_id}.json").read_text())["pid"]
     assert os.getpriority(os.PRIO_PROCESS, pid) == expected
     os.waitpid(pid, 0)  # it fails at once: this run dir has no server's spec
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # its Popen
+def test_a_worker_starts_a_job_itself_only_when_the_job_starter_did_not(tmp_path: Path) -> None:
+    """The starter answers 0 when it could not fork the job: the worker starts it itself.
+    One that took the job id and closed without a word may have forked it: the POST fails
+    rather than start a second process for the job."""
+    settings = make_settings(tmp_path / "data")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    source = tmp_path / "fleet.jsonl"
+    fleet_file(source, 10)
+    state_dir = settings.data_dir / "warmup" / "jobs"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as starter:
+        starter.bind(str(run_dir / jobs.STARTER_SOCKET))
+        starter.listen()
+
+        def answer(reply: bytes) -> str:
+            connection, _ = starter.accept()
+            with connection:
+                asked = connection.recv(64).decode().strip()
+                connection.sendall(reply)
+            return asked
+
+        with ThreadPoolExecutor(1) as pool:
+            said_no = pool.submit(answer, b"0\n")
+            job_id = ProcessJobs(settings, run_dir).start(None, source)
+            assert said_no.result(timeout=10) == job_id
+            pid = json.loads((state_dir / f"{job_id}.json").read_text())["pid"]
+            assert os.waitpid(pid, 0)[0] == pid  # this process's child: started here
+            went_silent = pool.submit(answer, b"")
+            with pytest.raises(RuntimeError, match="job starter stopped while it started job"):
+                ProcessJobs(settings, run_dir).start(None, source)
+            asked = went_silent.result(timeout=10)
+    assert json.loads((state_dir / f"{asked}.json").read_text())["pid"] == 0
 
 
 def test_a_jobs_rejects_file_is_capped_but_every_reject_counted(tmp_path: Path) -> None:
