@@ -4,10 +4,10 @@ output (``py-spy record --subprocesses -f raw``, as ``serve_bench --profile`` wr
     python -m bench.spy_report PROFILE.txt [--top 12]
 
 A process is named by the entry point found in its stacks (engine, index, worker, warm-up
-job, warm-up shard, supervisor). For each: its samples per thread, then the frames that hold
-the most samples by themselves (the leaf: CPU, or a wait when py-spy ran with ``--idle``)
-and the innermost frames of this repository's code (inclusive: what our code was doing or
-waiting on). Counts are samples; at ``-r 50`` one sample is 20 ms of one thread.
+job, warm-up shard, job starter, supervisor). For each: its samples per thread, then the
+frames that hold the most samples by themselves (the leaf: CPU, or a wait when py-spy ran
+with ``--idle``) and the innermost frames of this repository's code (inclusive: what our
+code was doing or waiting on). Counts are samples; at ``-r 50`` one sample is 20 ms of one thread.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ ROLES = (  # the first entry point found in a process's stacks names it
     ("writer_main", "LMDB writer"),
     ("worker_main", "worker"),
     ("demo_main", "demo loader"),
-    ("run_job", "warm-up job"),
+    ("run_job", "warm-up job"),  # forked by the job starter: its stacks hold both
+    ("starter_main", "job starter"),
 )
 FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^():]+):(?P<line>\d+)\)$")
 PACKAGES = ("cache", "engines", "features", "indexes", "proxy")  # py-spy: paths from sys.path
