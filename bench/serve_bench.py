@@ -29,12 +29,14 @@ the same app in one process, ``create_app`` under uvicorn, as v1 ran) on a fresh
 - with ``--warmup N``: N new drivers POSTed to ``/v1/warmup`` (a job process), timed to
   ``done``; then ``--runs`` rounds of paced cached lookups (8 connections, one request each
   every ``LOOKUP_GAP_MS``) alone, then beside a job over new drivers: their p99 during each
-  job against alone in the same round (median of the rounds, and each round's ratio); and
+  job against alone in the same round (median of the rounds, and each round's ratio), and
+  how long the workers' threads waited for a CPU meanwhile (``RunQueueWait``); and
   the plain tokenizer's ceiling on all cores over the same texts (``tokenizers.encode_batch``,
   the median of three passes), measured in the same run. ``--job-cpus`` gives the whole
   server those CPUs for the job alone (every thread re-pinned, then back to
   ``--server-cpus``): the job on the cores the tokenizer's ceiling had, where
-  ``--server-cpus`` kept some for wrk.
+  ``--server-cpus`` kept some for wrk. ``--lower engine,index=10`` (or ``=idle``, or ``job``)
+  lowers those processes' priority first: what of the lookups' p99 each one accounts for.
 
 ``--code DIR`` serves another checkout (a before/after comparison in one device call).
 Each load phase runs ``--runs`` times: the table shows the median of the runs' figures and
@@ -564,7 +566,7 @@ class RoleCpu:
             return below[parent_role]  # a forked shard has its job's command line
         from proxy.jobs import STARTER_NAME
 
-        if Path(f"/proc/{pid}/comm").read_text().strip() == STARTER_NAME:  # and its jobs
+        if proc_name(pid) == STARTER_NAME:  # and its jobs
             return "job starter" if parent == self.server.process.pid else "warm-up job"
         command = Path(f"/proc/{pid}/cmdline").read_bytes()  # one a worker started itself
         return "warm-up job" if b"proxy.jobs" in command else "other"
@@ -688,6 +690,8 @@ def measure_warmup(args: argparse.Namespace, server: Server, wrk: Wrk, out: Path
     for seed, path in enumerate(files):
         if not path.exists():
             write_records(iter_fleet(args.warmup, seed=97 + seed), path)
+    if args.lower:
+        lower_roles(server, args.lower)
     cpu = RoleCpu(server)
     before = server.metrics()
     profile = out / f"profile-warmup-{server.workers}.txt"
@@ -700,13 +704,19 @@ def measure_warmup(args: argparse.Namespace, server: Server, wrk: Wrk, out: Path
     stages = stage_means(before, server.metrics(), WARMUP_STAGES)
     paced = {"POOL": str(POOL), "FMT": "base64", "GAP_MS": str(LOOKUP_GAP_MS)}
     alone, during, beside = [], [], []
+    waits: dict[str, list[float]] = {"alone": [], "during": []}
+    workers = [w["pid"] for w in server.stats()["processes"]["workers"]]
     for path in files[1:]:
-        alone.append(wrk.run("hits.lua", server.url, 8, 4, **paced)["p99_ms"])
-        lookups = wrk.start("hits.lua", server.url, 8, 600, **paced)
-        try:
-            job_beside = run_job(server, path)
-        finally:
-            lookups.send_signal(signal.SIGINT)  # wrk reports what it saw so far
+        with RunQueueWait(workers) as wait:
+            alone.append(wrk.run("hits.lua", server.url, 8, 4, **paced)["p99_ms"])
+        waits["alone"].append(wait.per_s)
+        with RunQueueWait(workers) as wait:
+            lookups = wrk.start("hits.lua", server.url, 8, 600, **paced)
+            try:
+                job_beside = run_job(server, path)
+            finally:
+                lookups.send_signal(signal.SIGINT)  # wrk reports what it saw so far
+        waits["during"].append(wait.per_s)
         during.append(Wrk.result(lookups)["p99_ms"])
         beside.append(job_beside["indexed"] / (job_beside["finished"] - job_beside["started"]))
     return {
@@ -719,6 +729,8 @@ def measure_warmup(args: argparse.Namespace, server: Server, wrk: Wrk, out: Path
         "beside_features_per_s": statistics.median(beside),
         "lookup_p99_alone_ms": alone,
         "lookup_p99_during_ms": during,
+        "workers_wait_ms_per_s": waits,
+        "lowered": args.lower,
         "tokenizer_texts_per_s": tokenizer_ceiling(args, files[0]),
         "cpu": cpu.rows(job["indexed"]),
         "stages": stages,
@@ -746,6 +758,59 @@ def pin(server: Server, cpus: set[int]) -> None:
             for task in Path(f"/proc/{pid}/task").iterdir():
                 with contextlib.suppress(OSError):
                     os.sched_setaffinity(int(task.name), cpus)
+
+
+class RunQueueWait:
+    """How long the threads of ``pids`` waited for a CPU while the block ran (the kernel's
+    ``schedstat``: runnable, not running), in ms per second of the block, summed."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+
+    def _waited_ns(self) -> int:
+        total = 0
+        for pid in self.pids:
+            with contextlib.suppress(OSError):
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    total += int((task / "schedstat").read_text().split()[1])
+        return total
+
+    def __enter__(self) -> RunQueueWait:
+        self.started, self.waited = time.monotonic(), self._waited_ns()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        seconds = time.monotonic() - self.started
+        self.per_s = (self._waited_ns() - self.waited) / 1e6 / max(seconds, 1e-9)
+
+
+def lower_roles(server: Server, spec: str) -> None:
+    """``--lower engine,index=10`` (a nice value) or ``=idle`` (``SCHED_IDLE``): every thread
+    of those processes of the server from now on (threads they start later inherit it);
+    ``job``: the job starter, so every job and reader it forks. An experiment: what of the
+    lookups' p99 beside a job the priority of each process accounts for."""
+    from proxy.jobs import STARTER_NAME
+
+    roles, _, level = spec.partition("=")
+    processes = server.stats()["processes"]
+    pids = {
+        "engine": [e["pid"] for e in processes["engines"]],
+        "index": [processes["index"]["pid"]],
+        "job": [p for p in tree(server.process.pid) if proc_name(p) == STARTER_NAME],
+    }
+    for role in roles.split(","):
+        for pid in pids[role]:
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                if level == "idle":
+                    os.sched_setscheduler(int(task.name), os.SCHED_IDLE, os.sched_param(0))
+                else:
+                    os.setpriority(os.PRIO_PROCESS, int(task.name), int(level))
+
+
+def proc_name(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    return ""
 
 
 @contextlib.contextmanager
@@ -940,6 +1005,7 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
         columns += ["ratio", "POST -> first rows -> end s", "features/s from 10% to 90%"]
         columns += ["ratio", "features/s beside lookups (median)"]
         columns += ["paced lookup p99 alone -> during ms, median of rounds", "each round's ratio"]
+        columns += ["workers' run-queue wait alone -> during, ms a second"]
         table = []
         for r in warm:
             w = r["warmup"]
@@ -958,6 +1024,10 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
                     f"{w['beside_features_per_s']:,.0f}",
                     idle_to_busy(statistics.median(alone), statistics.median(during)),
                     ", ".join(f"{x:.2f}x" for x in ratios),
+                    " ; ".join(
+                        f"{a:.0f} -> {d:.0f}"
+                        for a, d in zip(*w["workers_wait_ms_per_s"].values(), strict=True)
+                    ),
                 ]
             )
         print()
@@ -1034,6 +1104,9 @@ def main() -> None:
     )
     parser.add_argument("--out", default=None, help="directory for logs and stats")
     parser.add_argument("--profile", default="", help="py-spy binary: profile misses, warm-up")
+    parser.add_argument(
+        "--lower", default="", help="engine,index,job=NICE|idle: those processes lowered"
+    )
     parser.add_argument("--profile-gil", action="store_true", help="only threads holding the GIL")
     parser.add_argument(
         "--set", action="append", default=[], metavar="NAME=VALUE", help="a FLEETCACHE_ setting"
