@@ -10,7 +10,7 @@ Its state lives in files under ``<data dir>/warmup/jobs/`` (kept across restarts
 
     <id>.json      the progress (``WarmupProgress``) plus pid, server and parameters,
                    replaced atomically about twice a second by the job
-    <id>.cancel    present: stop at the next chunk (the checkpoint keeps the place)
+    <id>.cancel    present: stop now (the checkpoint keeps the place)
 
 A job is forked by the server's job starter (``starter_main``), a process that imported what
 a job runs once, when the server started: the job's first rows come ~2 s sooner than from a
@@ -253,7 +253,7 @@ class JobOptions:
     chunk_size: int
     checkpoint_every_s: float
     rejects: str  # the job's rejects file; shard i writes <rejects>.part<i>, merged at the end
-    cancel_file: str  # present: stop at the next chunk
+    cancel_file: str  # present: stop
 
 
 def shard_count(settings: Settings, cores: int | None = None) -> int:

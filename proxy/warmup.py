@@ -48,6 +48,11 @@ log = logging.getLogger("fleetcache.warmup")
 # 2026-12-03 it also snapshotted the fleet index: 1.9-2.3 s for 200,000 drivers on the
 # 2-core box, once per reader at a job's end).
 CHECKPOINT_EVERY_S = 5.0
+# How often a job waiting for its oldest chunk asks whether it was cancelled. It used to
+# finish every chunk in flight first: a stopping server gives its jobs 10 s, and 12 chunks of
+# 500 rows (a reader's default) at an engine's 200 rows a second (a test's slow fake one)
+# took ~20 s, so the job was killed before it kept its place (tests/test_processes.py).
+STOP_POLL_S = 0.1
 
 
 # a JSONL line's "driver_id" with a string value (used where the line holds no backslash)
@@ -69,7 +74,9 @@ class WarmupProgress:
 
     source: str
     state: str = "running"  # running | done | cancelled | failed
-    rows: int = 0  # rows read from the file, valid or not (skipped resumed rows included)
+    # rows read from the file, valid or not (skipped resumed rows included); once cancelled,
+    # those it finished: where it resumes (its chunks still in flight were abandoned)
+    rows: int = 0
     resumed_from: int = 0  # rows skipped because an earlier run finished them
     indexed: int = 0
     embedded: int = 0  # texts sent to the engine
@@ -193,6 +200,8 @@ async def run_warmup(
     Pipelined: the next chunk is read and validated in a thread while up to ``depth``
     chunks are in the sink at once (so the engine's batcher always has work queued). The
     checkpoint only moves past chunks that finished together with every chunk before them.
+    ``cancelled()`` true: the job stops within ``STOP_POLL_S``, its chunks still in the sink
+    abandoned (read again when it resumes), its place kept.
     """
     if depth < 1:
         raise ValueError(f"depth must be at least 1, got {depth}")
@@ -212,8 +221,13 @@ async def run_warmup(
 
     async def finish_oldest() -> None:
         nonlocal done_rows, last_checkpoint
-        end, task = in_sink.popleft()
-        indexed, embedded, cached = await task
+        end, task = in_sink[0]
+        while not task.done():  # cancelled meanwhile: stop now, not after every chunk in flight
+            await asyncio.wait([task], timeout=STOP_POLL_S)
+            if not task.done() and cancelled():
+                raise _Stopped
+        in_sink.popleft()
+        indexed, embedded, cached = task.result()
         progress.indexed += indexed
         progress.embedded += embedded
         progress.cached += cached
@@ -231,23 +245,26 @@ async def run_warmup(
     stopped = False
     reading = next_chunk()
     try:
-        while (chunk := await reading) is not None:
-            if stopped := cancelled():
-                break
-            reading = next_chunk()
-            fresh = chunk[max(0, skip - progress.rows) :]
-            progress.rows += len(chunk)
-            records = [row.record for row in fresh if row.record is not None]
-            _reject(fresh, progress, rejects, max_rejects)
-            if records and sink is not None:
-                in_sink.append((progress.rows, asyncio.create_task(sink.upsert(records))))
-            else:
-                progress.indexed += len(records) if sink is None else 0
-                in_sink.append((progress.rows, asyncio.create_task(_nothing())))
-            while in_sink and (len(in_sink) >= depth or in_sink[0][1].done()):
+        try:
+            while (chunk := await reading) is not None:
+                if cancelled():
+                    raise _Stopped
+                reading = next_chunk()
+                fresh = chunk[max(0, skip - progress.rows) :]
+                progress.rows += len(chunk)
+                records = [row.record for row in fresh if row.record is not None]
+                _reject(fresh, progress, rejects, max_rejects)
+                if records and sink is not None:
+                    in_sink.append((progress.rows, asyncio.create_task(sink.upsert(records))))
+                else:
+                    progress.indexed += len(records) if sink is None else 0
+                    in_sink.append((progress.rows, asyncio.create_task(_nothing())))
+                while in_sink and (len(in_sink) >= depth or in_sink[0][1].done()):
+                    await finish_oldest()
+            while in_sink:
                 await finish_oldest()
-        while in_sink:
-            await finish_oldest()
+        except _Stopped:
+            stopped, progress.rows = True, done_rows  # where it resumes
         if checkpoint and sink is not None:  # the state changes only once the place is kept
             checkpoint.save(done_rows) if stopped else checkpoint.clear()
         progress.state = "cancelled" if stopped else "done"
@@ -276,13 +293,19 @@ def _reject(
                 rejects.write(json.dumps({"line": row.line, "error": row.error}) + "\n")
 
 
+class _Stopped(Exception):
+    """The job was cancelled: its chunks still in the sink are abandoned (read again when it
+    resumes: the checkpoint is only past chunks that finished with all those before them)."""
+
+
 async def _nothing() -> tuple[int, int, int]:
     """The sink's part of a chunk without valid records (or of a dry run)."""
     return 0, 0, 0
 
 
 async def _abandon(tasks: list[asyncio.Task[tuple[int, int, int]]]) -> None:
-    """Cancel the chunks still in the sink after a failure and collect their outcome."""
+    """Cancel the chunks still in the sink after a failure or a stop, and collect their
+    outcome."""
     for task in tasks:
         task.cancel()
     if tasks:
@@ -532,7 +555,8 @@ class WarmupJobs:
         return {job_id: job.progress for job_id, job in self._jobs.items()}
 
     def cancel(self, job_id: str) -> WarmupProgress | None:
-        """Stop at the next chunk; the checkpoint keeps the place for a later run."""
+        """Stop now (the chunks in flight are abandoned); the checkpoint keeps the place for a
+        later run."""
         job = self._jobs.get(job_id)
         if job is not None:
             job.cancel_requested = True

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import httpx
 import orjson
@@ -441,6 +442,45 @@ def test_a_worker_starts_a_job_itself_only_when_the_job_starter_did_not(tmp_path
                 ProcessJobs(settings, run_dir).start(None, source)
             asked = went_silent.result(timeout=10)
     assert json.loads((state_dir / f"{asked}.json").read_text())["pid"] == 0
+
+
+def test_a_cancelled_job_stops_at_once_and_keeps_the_place_of_its_finished_chunks(
+    tmp_path: Path,
+) -> None:
+    """It does not wait for its chunks still in the sink (a slow engine held them for longer
+    than a stopping server waits): it abandons them and resumes from the first of them."""
+    source = tmp_path / "fleet.jsonl"
+    fleet_file(source, 1_000)
+    held = asyncio.Event()  # never set: the third chunk and those after it never finish
+
+    class Sink:
+        calls = 0
+
+        async def upsert(self, records: list[Any]) -> tuple[int, int, int]:
+            self.calls += 1
+            if self.calls >= 3:
+                await held.wait()
+            return len(records), len(records), 0
+
+    checkpoint = warmup.checkpoint_for(tmp_path, source)
+    progress = WarmupProgress(source="fleet.jsonl")
+    stop_at = time.monotonic() + 0.3
+
+    async def run() -> WarmupProgress:
+        return await run_warmup(
+            source,
+            Sink(),
+            progress,
+            chunk_size=100,
+            depth=12,
+            checkpoint=checkpoint,
+            cancelled=lambda: time.monotonic() >= stop_at,
+        )
+
+    asyncio.run(asyncio.wait_for(run(), timeout=5))
+    assert time.monotonic() - stop_at < 1.0
+    assert (progress.state, progress.indexed) == ("cancelled", 200)
+    assert checkpoint.rows_done() == 200
 
 
 def test_a_jobs_rejects_file_is_capped_but_every_reject_counted(tmp_path: Path) -> None:
