@@ -227,7 +227,8 @@ class Supervisor:
             worker.start = self._worker_start(spec, worker)
             self.slots.append(worker)
             self._start(worker, board)
-        starter = Slot("starter", -1, child(starter_main, "fleetcache-job-starter"), env=NO_THREADS)
+        starter_process = child(starter_main, "fleetcache-job-starter")
+        starter = Slot("starter", -1, starter_process, label="job starter", env=NO_THREADS)
         self.slots.append(starter)
         self._start(starter, board)
         demo = None
