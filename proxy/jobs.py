@@ -120,7 +120,7 @@ class ProcessJobs:
         self.server = run_dir.name  # which server run a job file belongs to
         self.dir = jobs_dir(settings)
 
-    def start(
+    async def start(
         self, services: Any, path: Path, *, chunk_size: int = 500, upload: bool = False
     ) -> str:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -134,7 +134,10 @@ class ProcessJobs:
             "upload": upload,
         }
         _write_json(self.dir / f"{job_id}.json", state)
-        pid = self._from_starter(job_id) or self._from_scratch(job_id)
+        # off the event loop: a starter that does not answer must not hold the worker's requests
+        pid = await asyncio.to_thread(
+            lambda: self._from_starter(job_id) or self._from_scratch(job_id)
+        )
         lower_priority(pid)  # a no-op for a job of the starter, which runs there already
         _write_json(self.dir / f"{job_id}.json", {**self._read(job_id), "pid": pid})
         return job_id

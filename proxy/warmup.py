@@ -519,7 +519,7 @@ class WarmupJobs:
         self._jobs: dict[str, _Job] = {}
         self._ids = itertools.count(1)
 
-    def start(
+    async def start(
         self, services: Services, path: Path, *, chunk_size: int = 500, upload: bool = False
     ) -> str:
         """Start a job over ``path`` (an uploaded body when ``upload``: removed at the end)."""

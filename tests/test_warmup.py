@@ -403,17 +403,20 @@ def test_a_job_process_runs_below_the_workers_from_its_start(tmp_path: Path) -> 
     source = tmp_path / "fleet.jsonl"
     fleet_file(source, 10)
     expected = min(19, os.getpriority(os.PRIO_PROCESS, 0) + jobs.NICE)
-    job_id = ProcessJobs(settings, run_dir).start(None, source)
+    job_id = asyncio.run(ProcessJobs(settings, run_dir).start(None, source))
     pid = json.loads((settings.data_dir / "warmup" / "jobs" / f"{job_id}.json").read_text())["pid"]
     assert os.getpriority(os.PRIO_PROCESS, pid) == expected
     os.waitpid(pid, 0)  # it fails at once: this run dir has no server's spec
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # its Popen
-def test_a_worker_starts_a_job_itself_only_when_the_job_starter_did_not(tmp_path: Path) -> None:
+def test_a_worker_starts_a_job_itself_only_when_the_job_starter_did_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The starter answers 0 when it could not fork the job: the worker starts it itself.
     One that took the job id and closed without a word may have forked it: the POST fails
-    rather than start a second process for the job."""
+    rather than start a second process for the job. One that does not answer fails the POST
+    after ``STARTER_REPLY_S``, while the worker's loop serves its other requests."""
     settings = make_settings(tmp_path / "data")
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -433,15 +436,38 @@ def test_a_worker_starts_a_job_itself_only_when_the_job_starter_did_not(tmp_path
 
         with ThreadPoolExecutor(1) as pool:
             said_no = pool.submit(answer, b"0\n")
-            job_id = ProcessJobs(settings, run_dir).start(None, source)
+            job_id = asyncio.run(ProcessJobs(settings, run_dir).start(None, source))
             assert said_no.result(timeout=10) == job_id
             pid = json.loads((state_dir / f"{job_id}.json").read_text())["pid"]
             assert os.waitpid(pid, 0)[0] == pid  # this process's child: started here
             went_silent = pool.submit(answer, b"")
             with pytest.raises(RuntimeError, match="job starter stopped while it started job"):
-                ProcessJobs(settings, run_dir).start(None, source)
+                asyncio.run(ProcessJobs(settings, run_dir).start(None, source))
             asked = went_silent.result(timeout=10)
-    assert json.loads((state_dir / f"{asked}.json").read_text())["pid"] == 0
+            assert json.loads((state_dir / f"{asked}.json").read_text())["pid"] == 0
+
+            # one that never answers holds the POST, not the worker's other requests
+            monkeypatch.setattr(jobs, "STARTER_REPLY_S", 0.5)
+            ticks = 0
+
+            async def serve_meanwhile() -> None:
+                nonlocal ticks
+
+                async def tick() -> None:
+                    nonlocal ticks
+                    while True:
+                        await asyncio.sleep(0.01)
+                        ticks += 1
+
+                ticker = asyncio.create_task(tick())
+                try:
+                    with pytest.raises(TimeoutError):
+                        await ProcessJobs(settings, run_dir).start(None, source)
+                finally:
+                    ticker.cancel()
+
+            asyncio.run(serve_meanwhile())
+            assert ticks >= 20, ticks  # ~50 in 0.5 s
 
 
 def test_a_cancelled_job_stops_at_once_and_keeps_the_place_of_its_finished_chunks(

@@ -122,7 +122,7 @@ async def start_warmup(request: Request, services: ServicesDep, jobs: JobsDep) -
                 param=where,
             ) from None
         path, chunk_size, uploaded = server_path(services, body.path), body.chunk_size, False
-    job_id = jobs.start(services, path, chunk_size=chunk_size, upload=uploaded)
+    job_id = await jobs.start(services, path, chunk_size=chunk_size, upload=uploaded)
     progress = jobs.get(job_id)
     assert progress is not None
     return job_json(job_id, progress)
