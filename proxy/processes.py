@@ -97,17 +97,20 @@ def become_child(role: str, level: str) -> None:
     setup_logging(level, role)
     with contextlib.suppress(OSError):
         os.setpgrp()
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def name_process(name: str) -> None:
     """What ``ps``, ``top`` and /proc/<pid>/comm call this process (15 bytes at most) and the
     processes it forks."""
+    _prctl(_PR_SET_NAME, name.encode()[:15])
+
+
+def _prctl(option: int, value: int | bytes) -> None:
+    """Linux's prctl(2) through libc; nothing where there is none."""
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15])
+        ctypes.CDLL(None, use_errno=True).prctl(option, value)
 
 
 def _stop_event() -> asyncio.Event:

@@ -126,13 +126,21 @@ def crash(pid: int) -> None:
                 os.kill(member, signum)
 
 
+def stat_fields(pid: int | str) -> list[str]:
+    """/proc/<pid>/stat after the command name: its state, its parent's pid, ..."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def parent_of(pid: int) -> int:
+    return int(stat_fields(pid)[1])
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below ``pid`` (from /proc: parent ids)."""
     children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for entry in Path("/proc").glob("[0-9]*"):
         with contextlib.suppress(OSError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+            children.setdefault(int(stat_fields(entry.name)[1]), []).append(int(entry.name))
     found, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):

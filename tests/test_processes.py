@@ -32,7 +32,14 @@ from features.readers import write_records
 from features.synthetic import generate_fleet
 from features.text import driver_text
 from proxy.jobs import NICE, NO_THREADS, STARTER_NAME, STARTER_SOCKET
-from tests.serve_process import FleetcacheServer, alive, descendants, free_port
+from tests.serve_process import (
+    FleetcacheServer,
+    alive,
+    descendants,
+    free_port,
+    parent_of,
+    stat_fields,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -404,10 +411,6 @@ def test_a_jobs_lookups_show_in_the_tiers_and_its_readers_keep_no_memory_tier(
     assert (tiers["memory"]["hits"], tiers["store"]["hits"] >= cache["hits"]) == (0, True), cache
 
 
-def parent_of(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
 def job_starter(server: FleetcacheServer) -> int | None:
     """The supervisor's child named ``fleetcache-jobs``, once it listens for job ids."""
     assert server.process is not None
@@ -447,7 +450,7 @@ def test_a_job_is_forked_by_the_job_starter_and_started_without_it(tmp_path: Pat
             os.kill(server.process.pid, signal.SIGSTOP)
             try:
                 os.kill(starter, signal.SIGKILL)
-                while Path(f"/proc/{starter}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                while stat_fields(starter)[0] != "Z":  # dead, not yet reaped
                     time.sleep(0.01)
                 second = start_job(client, fleet)
             finally:
@@ -469,9 +472,9 @@ def test_a_job_is_forked_by_the_job_starter_and_started_without_it(tmp_path: Pat
 
 
 def test_a_job_stopped_with_the_server_resumes_where_it_stopped(tmp_path: Path) -> None:
-    """SIGTERM to the server stops its running job (forked by the job starter) at its next
-    chunk: the job says why and keeps its place, and the same POST to the next server goes on
-    from there and indexes the whole file."""
+    """SIGTERM to the server stops its running job (forked by the job starter) at once, its
+    chunks in flight let go: the job says why and keeps its place, and the same POST to the
+    next server goes on from there and indexes the whole file."""
     data = tmp_path / "server" / "data"
     data.mkdir(parents=True)
     write_records(generate_fleet(4_000, seed=12), data / "fleet.jsonl")
