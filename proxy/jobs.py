@@ -97,7 +97,11 @@ def jobs_dir(settings: Settings) -> Path:
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
+    """``path`` replaced at once. The worker that starts a job and the job itself both write
+    its state file, at the same moment when the job is forked (ms after its POST): each
+    writes its own temporary file (one shared name let one's rename take the other's away,
+    a 500 to the POST once in seven jobs in bench/serve_bench.py, 2026-12-05)."""
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data))
     tmp.replace(path)
 
@@ -140,7 +144,9 @@ class ProcessJobs:
             lambda: self._from_starter(job_id) or self._from_scratch(job_id)
         )
         lower_priority(pid)  # a no-op for a job of the starter, which runs there already
-        _write_json(self.dir / f"{job_id}.json", {**self._read(job_id), "pid": pid})
+        state = self._read(job_id)
+        if not state["pid"]:  # the job has not written its own state yet
+            _write_json(self.dir / f"{job_id}.json", {**state, "pid": pid})
         return job_id
 
     def _from_starter(self, job_id: str) -> int | None:

@@ -470,6 +470,35 @@ def test_a_worker_starts_a_job_itself_only_when_the_job_starter_did_not(
             assert ticks >= 20, ticks  # ~50 in 0.5 s
 
 
+def test_a_jobs_state_file_written_by_two_processes_at_once_is_always_whole(
+    tmp_path: Path,
+) -> None:
+    """The worker that starts a job and the job forked for it write its state file at the same
+    moment: neither write fails, and a reader always finds one of them whole."""
+    state = tmp_path / "w1-abc.json"
+    jobs._write_json(state, {"pid": 0})
+    children = []
+    for writer in range(2):
+        if (pid := os.fork()) == 0:
+            code = 0
+            try:
+                for i in range(2_000):
+                    jobs._write_json(state, {"pid": writer, "i": i})
+            except BaseException:
+                code = 1
+            os._exit(code)
+        children.append(pid)
+    codes: dict[int, int] = {}
+    while len(codes) < len(children):
+        assert json.loads(state.read_text())["pid"] in (0, 1)  # read while they write
+        for pid in set(children) - set(codes):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                codes[pid] = os.waitstatus_to_exitcode(status)
+    assert list(codes.values()) == [0, 0]  # neither write failed
+    assert not list(tmp_path.glob("*.tmp"))
+
+
 def test_a_cancelled_job_stops_at_once_and_keeps_the_place_of_its_finished_chunks(
     tmp_path: Path,
 ) -> None:
