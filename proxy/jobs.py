@@ -15,8 +15,8 @@ Its state lives in files under ``<data dir>/warmup/jobs/`` (kept across restarts
 A job is forked by the server's job starter (``starter_main``), a process that imported what
 a job runs once, when the server started, where a fresh interpreter (``python -m proxy.jobs``,
 which a worker still starts when the starter does not answer) spent ~2.2 s of a job's start
-importing it on the H200; on 2 cores a job's first rows came 0.76 s after its POST against
-1.92 (docs/BENCHMARKS.md, 2026-12-04).
+importing it on the H200; on 2 cores a job's first rows came 0.70 s after its POST against
+1.51 (docs/BENCHMARKS.md, 2026-12-05).
 
 Any worker answers ``GET /v1/warmup/{id}`` from the file. A job whose process is gone while
 its file says ``queued`` or ``running`` (the server was stopped or died) reads as ``failed``
