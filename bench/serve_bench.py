@@ -705,11 +705,13 @@ def measure_warmup(args: argparse.Namespace, server: Server, wrk: Wrk, out: Path
     paced = {"POOL": str(POOL), "FMT": "base64", "GAP_MS": str(LOOKUP_GAP_MS)}
     alone, during, beside = [], [], []
     waits: dict[str, list[float]] = {"alone": [], "during": []}
+    ran: dict[str, list[float]] = {"alone": [], "during": []}
     workers = [w["pid"] for w in server.stats()["processes"]["workers"]]
     for path in files[1:]:
         with RunQueueWait(workers) as wait:
             alone.append(wrk.run("hits.lua", server.url, 8, 4, **paced)["p99_ms"])
         waits["alone"].append(wait.per_s)
+        ran["alone"].append(wait.ran_per_s)
         with RunQueueWait(workers) as wait:
             lookups = wrk.start("hits.lua", server.url, 8, 600, **paced)
             try:
@@ -717,6 +719,7 @@ def measure_warmup(args: argparse.Namespace, server: Server, wrk: Wrk, out: Path
             finally:
                 lookups.send_signal(signal.SIGINT)  # wrk reports what it saw so far
         waits["during"].append(wait.per_s)
+        ran["during"].append(wait.ran_per_s)
         during.append(Wrk.result(lookups)["p99_ms"])
         beside.append(job_beside["indexed"] / (job_beside["finished"] - job_beside["started"]))
     return {
@@ -730,6 +733,7 @@ def measure_warmup(args: argparse.Namespace, server: Server, wrk: Wrk, out: Path
         "lookup_p99_alone_ms": alone,
         "lookup_p99_during_ms": during,
         "workers_wait_ms_per_s": waits,
+        "workers_ran_ms_per_s": ran,
         "lowered": args.lower,
         "tokenizer_texts_per_s": tokenizer_ceiling(args, files[0]),
         "cpu": cpu.rows(job["indexed"]),
@@ -762,32 +766,37 @@ def pin(server: Server, cpus: set[int]) -> None:
 
 class RunQueueWait:
     """How long the threads of ``pids`` waited for a CPU while the block ran (the kernel's
-    ``schedstat``: runnable, not running), in ms per second of the block, summed."""
+    ``schedstat``: runnable, not running), in ms per second of the block, summed (``per_s``),
+    and how long they ran (``ran_per_s``)."""
 
     def __init__(self, pids: list[int]) -> None:
         self.pids = pids
 
-    def _waited_ns(self) -> int:
-        total = 0
+    def _ns(self) -> tuple[int, int]:
+        ran = waited = 0
         for pid in self.pids:
             with contextlib.suppress(OSError):
                 for task in Path(f"/proc/{pid}/task").iterdir():
-                    total += int((task / "schedstat").read_text().split()[1])
-        return total
+                    fields = (task / "schedstat").read_text().split()
+                    ran, waited = ran + int(fields[0]), waited + int(fields[1])
+        return ran, waited
 
     def __enter__(self) -> RunQueueWait:
-        self.started, self.waited = time.monotonic(), self._waited_ns()
+        self.started, self.before = time.monotonic(), self._ns()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        seconds = time.monotonic() - self.started
-        self.per_s = (self._waited_ns() - self.waited) / 1e6 / max(seconds, 1e-9)
+        seconds = max(time.monotonic() - self.started, 1e-9)
+        (ran, waited), (ran0, waited0) = self._ns(), self.before
+        self.per_s = (waited - waited0) / 1e6 / seconds
+        self.ran_per_s = (ran - ran0) / 1e6 / seconds
 
 
 def lower_roles(server: Server, spec: str) -> None:
     """``--lower engine,index=10`` (a nice value) or ``=idle`` (``SCHED_IDLE``): every thread
     of those processes of the server from now on (threads they start later inherit it);
-    ``job``: the job starter, so every job and reader it forks. An experiment: what of the
+    ``job``: the job starter, so every job and reader it forks; ``rest``: every process of
+    the server but its workers and the supervisor. An experiment: what of the
     lookups' p99 beside a job the priority of each process accounts for."""
     from proxy.jobs import STARTER_NAME
 
@@ -797,6 +806,11 @@ def lower_roles(server: Server, spec: str) -> None:
         "engine": [e["pid"] for e in processes["engines"]],
         "index": [processes["index"]["pid"]],
         "job": [p for p in tree(server.process.pid) if proc_name(p) == STARTER_NAME],
+        "rest": [
+            p
+            for p in tree(server.process.pid)
+            if p != server.process.pid and p not in {w["pid"] for w in processes["workers"]}
+        ],
     }
     for role in roles.split(","):
         for pid in pids[role]:
@@ -1005,7 +1019,10 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
         columns += ["ratio", "POST -> first rows -> end s", "features/s from 10% to 90%"]
         columns += ["ratio", "features/s beside lookups (median)"]
         columns += ["paced lookup p99 alone -> during ms, median of rounds", "each round's ratio"]
-        columns += ["workers' run-queue wait alone -> during, ms a second"]
+        columns += [
+            "workers' run-queue wait alone -> during, ms a second",
+            "workers' CPU alone -> during, ms a second",
+        ]
         table = []
         for r in warm:
             w = r["warmup"]
@@ -1027,6 +1044,10 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
                     " ; ".join(
                         f"{a:.0f} -> {d:.0f}"
                         for a, d in zip(*w["workers_wait_ms_per_s"].values(), strict=True)
+                    ),
+                    " ; ".join(
+                        f"{a:.0f} -> {d:.0f}"
+                        for a, d in zip(*w["workers_ran_ms_per_s"].values(), strict=True)
                     ),
                 ]
             )
@@ -1105,7 +1126,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="directory for logs and stats")
     parser.add_argument("--profile", default="", help="py-spy binary: profile misses, warm-up")
     parser.add_argument(
-        "--lower", default="", help="engine,index,job=NICE|idle: those processes lowered"
+        "--lower", default="", help="engine,index,job|rest=NICE|idle: those processes lowered"
     )
     parser.add_argument("--profile-gil", action="store_true", help="only threads holding the GIL")
     parser.add_argument(
