@@ -87,7 +87,14 @@ _PATH = re.compile(r"(?:/[^/\s'\"]+)+/?")
 def lower_priority(pid: int) -> None:
     """Process ``pid`` (a job) at ``NICE`` below this one (a worker), at most 19: the workers
     keep their cores. The worker sets it right after the job's exec, so that the job's start
-    (1-3 s of imports) does not compete with them either."""
+    (1-3 s of imports) does not compete with them either.
+
+    A job runs in a process group of its own (no signal to the server's group, a terminal's
+    ^C or a worker's end, reaches it) but in the server's session: where the kernel groups
+    the processes of each session (``CONFIG_SCHED_AUTOGROUP``, on in this box's kernel as in
+    many distributions') a nice value only ranks a process within its session's group, so
+    a job in a session of its own took a whole group's share of the cores beside the
+    server's, whatever its nice (``perf sched``, 2-core box, docs/BENCHMARKS.md 2026-12-05)."""
     with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, pid, min(19, os.getpriority(os.PRIO_PROCESS, 0) + NICE))
 
@@ -169,8 +176,8 @@ class ProcessJobs:
     def _from_scratch(self, job_id: str) -> int:
         process = subprocess.Popen(
             [sys.executable, "-m", "proxy.jobs", str(self.run_dir), job_id],
-            start_new_session=True,  # not a child of this worker's fate: a worker restart
-            stdin=subprocess.DEVNULL,  # leaves the job running
+            process_group=0,  # not a child of this worker's fate: a worker restart leaves
+            stdin=subprocess.DEVNULL,  # the job running (its session: ``lower_priority``)
             env={**os.environ, **NO_THREADS},
         )
         return process.pid
@@ -581,7 +588,7 @@ def _forked_job(run_dir: Path, job_id: str) -> None:
     """A job forked by the starter; never returns."""
     code = 1
     try:
-        os.setsid()
+        os.setpgid(0, 0)  # a group of its own, the server's session (``lower_priority``)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # it waits for its own shards
         asyncio.run(run_job(run_dir, job_id))
         code = 0

@@ -423,10 +423,20 @@ def job_starter(server: FleetcacheServer) -> int | None:
     return None
 
 
+def assert_ranked_beside(job: int, worker: int) -> None:
+    """The job is in the worker's session, and so in its scheduling group where the kernel
+    groups sessions (autogroup): there its nice ranks it below the worker; in a session of
+    its own it would take a whole group's share of the cores beside the server's."""
+    assert os.getsid(job) == os.getsid(worker)
+    grouped = Path(f"/proc/{worker}/autogroup")
+    if grouped.exists():
+        assert Path(f"/proc/{job}/autogroup").read_text() == grouped.read_text()
+
+
 def test_a_job_is_forked_by_the_job_starter_and_started_without_it(tmp_path: Path) -> None:
     """The job starter imported what a job runs when the server started, so a job forked
-    from it starts in milliseconds, in a session of its own, below the workers; killed, it
-    is restarted, and meanwhile a worker starts the job itself; its jobs outlive it."""
+    from it starts in milliseconds, in a process group of its own, below the workers; killed,
+    it is restarted, and meanwhile a worker starts the job itself; its jobs outlive it."""
     fleet = tmp_path / "fleet.jsonl"
     write_records(generate_fleet(2_000, seed=11), fleet)
     jobs_dir = tmp_path / "server" / "data" / "warmup" / "jobs"
@@ -441,11 +451,12 @@ def test_a_job_is_forked_by_the_job_starter_and_started_without_it(tmp_path: Pat
             first = start_job(client, fleet)
             pid = json.loads((jobs_dir / f"{first}.json").read_text())["pid"]
             assert parent_of(pid) == starter
-            while os.getsid(pid) != pid:  # its first step, right after the fork
-                assert time.monotonic() < deadline, "the job is not in a session of its own"
+            while os.getpgid(pid) != pid:  # its first step, right after the fork
+                assert time.monotonic() < deadline, "the job is not in a group of its own"
                 time.sleep(0.01)
             expected = min(19, os.getpriority(os.PRIO_PROCESS, worker) + NICE)
             assert os.getpriority(os.PRIO_PROCESS, pid) == expected
+            assert_ranked_beside(pid, worker)
             # the supervisor held still, so that it does not start another one meanwhile
             os.kill(server.process.pid, signal.SIGSTOP)
             try:
@@ -458,6 +469,8 @@ def test_a_job_is_forked_by_the_job_starter_and_started_without_it(tmp_path: Pat
             by_worker = json.loads((jobs_dir / f"{second}.json").read_text())["pid"]
             assert parent_of(by_worker) == worker
             assert os.getpriority(os.PRIO_PROCESS, by_worker) == expected
+            assert os.getpgid(by_worker) == by_worker
+            assert_ranked_beside(by_worker, worker)
             assert job_ended(client, first, 120)["state"] == "done"
             assert job_ended(client, second, 120)["state"] == "done"
         while (replacement := job_starter(server)) in (None, starter):
