@@ -926,7 +926,7 @@ def batcher_alone(args: argparse.Namespace, settings: dict[str, str]) -> float:
 
 def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Namespace) -> None:
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    print(f"\n## serve_bench, {now}, {platform.node()}, {os.cpu_count()} cores")
+    print(f"\n## serve_bench, {now}, {platform.node()}, {os.cpu_count()} cores, {autogroup()}")
     print(
         f"engine {args.engine} on {args.device}, store {args.store}, {args.connections} "
         f"connections, {args.duration} s x {args.runs} runs, 32 texts a request, base64"
@@ -1077,6 +1077,19 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
                 f"{mean_ms * batches / 1e3:.2f} s of it ({mean_ms * batches / 1e3 / running:.0%}); "
                 f"the engine's queue empty in {w['queue_empty']:.0%} of its samples"
             )
+
+
+def autogroup() -> str:
+    """Whether this kernel groups each session's processes for its scheduler (a nice value
+    then ranks a process only within its session's group: ``proxy.jobs.lower_priority``),
+    and this process's CPU cgroup (autogroup applies only in the root one)."""
+    with contextlib.suppress(OSError):
+        on = Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        cpu = [ln.split(":", 2) for ln in lines]
+        group = next((g for _, c, g in cpu if "cpu" in c.split(",")), cpu[-1][2] if cpu else "?")
+        return f"autogroup {'on' if on else 'off'}, cpu cgroup {group}"
+    return "no autogroup"
 
 
 def idle_to_busy(idle: float, busy: float) -> str:
