@@ -25,6 +25,7 @@ import time
 import zlib
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, ClassVar, cast
 
@@ -231,8 +232,9 @@ class LmdbByteStore(CacheStore):
     open the same directory (the server and ``fleetcache warmup``): LMDB locks writers.
     A full map (``map_size``, shared by the partitions) makes writes raise
     ``lmdb.MapFullError``; TieredByteStore counts that as a store error and keeps serving.
-    Async forms run the call in a worker thread. Keys are UTF-8; at most ``max_key_size``
-    (511) bytes.
+    Async forms run the call in a worker thread; ``amset``'s commits on ``write_executor``
+    when given (the engine process runs its write-backs below its serving threads:
+    ``proxy.engine_host.shared_tier``). Keys are UTF-8; at most ``max_key_size`` (511) bytes.
     """
 
     kind: ClassVar[str] = "lmdb"
@@ -249,6 +251,7 @@ class LmdbByteStore(CacheStore):
         max_readers: int = 256,
         scan_chunk: int = 1024,
         max_group: int = 4096,
+        write_executor: Executor | None = None,
     ) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
@@ -306,6 +309,7 @@ class LmdbByteStore(CacheStore):
         self._max_key = self._env.max_key_size()
         self._scan_chunk = scan_chunk
         self._closed = False
+        self._write_executor = write_executor
         # looked up at each commit: a subclass's or an instance's own ``_commit`` (tests hold it)
         self._grouped = GroupCommit(lambda items: self._commit(items), max_group)
 
@@ -438,7 +442,8 @@ class LmdbByteStore(CacheStore):
 
     async def _commit(self, items: Sequence[tuple[str, bytes]]) -> None:
         """One write transaction of a group's ``items``."""
-        await asyncio.to_thread(self.mset, items)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._write_executor, self.mset, items)
 
     async def amdelete(self, keys: Sequence[str]) -> None:
         await asyncio.to_thread(self.mdelete, keys)
@@ -824,13 +829,15 @@ def build_store(
     redis_ttl_s: float | None = None,
     redis_timeout_s: float = 0.25,
     retry_after_s: float = 1.0,
+    lmdb_write_executor: Executor | None = None,
 ) -> TieredByteStore:
     """The tiered store for ``FLEETCACHE_STORE``: ``memory`` | ``lmdb`` | ``redis``.
 
     LMDB lives in ``data_dir / "cache.lmdb"`` (in ``lmdb_partitions`` environments when the
     directory is new), with an fsync at every commit, or without (``lmdb_fsync_every_s`` >
     0: an fsync that often; ``LmdbByteStore``); Redis at
-    ``redis_url`` under ``redis_prefix``.
+    ``redis_url`` under ``redis_prefix``. ``lmdb_write_executor``: where LMDB's async commits
+    run (``LmdbByteStore``).
     """
     memory = MemoryByteStore(memory_bytes)
     store: CacheStore | None
@@ -843,6 +850,7 @@ def build_store(
             Path(data_dir) / "cache.lmdb",
             map_size,
             partitions=lmdb_partitions,
+            write_executor=lmdb_write_executor,
             **fsync_options(lmdb_fsync_every_s),
         )
     elif kind == "redis":

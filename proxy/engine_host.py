@@ -20,8 +20,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import asdict
 from itertools import repeat
@@ -399,13 +402,37 @@ def lmdb_partitions(settings: Settings, cores: int | None = None) -> int:
     return AUTO_PARTITIONS if lmdb_writer(settings, cores) == "process" else 1
 
 
+# How far below the engine process's other threads its LMDB commits run where it writes them
+# itself (``lmdb_writer`` = thread, fewer than 4 cores). They are write-backs, which no answer
+# waits for but a warm-up job's and a fleet write's; a job's took about a third of a core on
+# the 2-core box, and new texts' competed with the batcher and the event loop. Measured there
+# (``bench/serve_bench.py --workers 2 --skip-hits --warmup 30000``, six runs in turns,
+# docs/BENCHMARKS.md, 2026-12-05): new texts 17,322-19,936/s against 12,989-18,698 (p99
+# 87-115 ms against 94-147), written back 0.7 s after the run against 0.1-0.3; cached
+# lookups' p99 beside a job 9.9 ms against 11.2 (medians; worst 13.7 against 21.6), the job
+# alone as fast. The writer child (4 cores or more) keeps the engine's priority: not measured.
+STORE_WRITE_NICE = 10
+
+
+def _below_engine() -> None:
+    """An executor thread's initializer: this thread ``STORE_WRITE_NICE`` below the engine's
+    (Linux gives each thread a nice value of its own)."""
+    me = threading.get_native_id()
+    with contextlib.suppress(OSError):
+        os.setpriority(
+            os.PRIO_PROCESS, me, min(19, os.getpriority(os.PRIO_PROCESS, me) + STORE_WRITE_NICE)
+        )
+
+
 @contextlib.asynccontextmanager
 async def shared_tier(settings: Settings) -> AsyncIterator[TieredByteStore]:
     """The shared tier alone (no memory tier): what the engine process writes rows to; LMDB's
-    writes through a writer child (``proxy.lmdb_writer``) where ``lmdb_writer`` says so."""
+    writes through a writer child (``proxy.lmdb_writer``) where ``lmdb_writer`` says so, else
+    committed by a thread of this process below its others (``STORE_WRITE_NICE``)."""
     from cache import stores
 
     map_size = int(settings.lmdb_map_size_gb * 2**30)
+    committer = ThreadPoolExecutor(1, "store-write", initializer=_below_engine)
     if settings.store == "lmdb" and lmdb_writer(settings) == "process":
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
@@ -426,11 +453,13 @@ async def shared_tier(settings: Settings) -> AsyncIterator[TieredByteStore]:
             lmdb_fsync_every_s=settings.lmdb_fsync_every_s,
             lmdb_partitions=lmdb_partitions(settings),
             redis_url=settings.redis_url,
+            lmdb_write_executor=committer,
         )
     try:
         yield tier
     finally:
         await tier.aclose()
+        committer.shutdown(wait=False)
 
 
 # -- over IPC ------------------------------------------------------------------------------

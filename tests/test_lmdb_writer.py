@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +19,7 @@ from cache import codec
 from cache.codec import RowEntries
 from cache.stores import LmdbByteStore, MemoryByteStore, TieredByteStore
 from cache.writer import VectorWriter
-from proxy.engine_host import lmdb_partitions, lmdb_writer, shared_tier
+from proxy.engine_host import STORE_WRITE_NICE, lmdb_partitions, lmdb_writer, shared_tier
 from proxy.lmdb_writer import LmdbWriterStore
 from proxy.settings import Settings
 
@@ -223,6 +225,36 @@ def test_the_engine_store_writes_where_the_setting_says(tmp_path: Path, setting:
             assert await tier.amget(["k"]) == [b"v"]
 
     run(main())
+
+
+def test_the_engine_commits_its_own_writes_below_its_other_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the engine process writes LMDB itself (``lmdb_writer=thread``), every commit
+    runs on a thread ``STORE_WRITE_NICE`` below the event loop's, which keeps its own: a
+    warm-up job's write-backs then leave the cores to the workers on a small machine."""
+    native_id = threading.get_native_id
+    loop_thread = native_id()
+    base = os.getpriority(os.PRIO_PROCESS, loop_thread)
+    commits: list[tuple[int, int]] = []  # (thread, its nice value)
+    mset = LmdbByteStore.mset
+
+    def recorded(self: LmdbByteStore, items: Sequence[tuple[str, bytes]]) -> None:
+        commits.append((native_id(), os.getpriority(os.PRIO_PROCESS, native_id())))
+        mset(self, items)
+
+    monkeypatch.setattr(LmdbByteStore, "mset", recorded)
+
+    async def main() -> None:
+        settings = Settings(store="lmdb", data_dir=tmp_path, lmdb_writer="thread")
+        async with shared_tier(settings) as tier:
+            await asyncio.gather(*(tier.amset([(f"k{i}", b"v")]) for i in range(50)))
+            assert await tier.amget(["k0", "k49"]) == [b"v", b"v"]
+
+    run(main())
+    assert commits and all(thread != loop_thread for thread, _ in commits)
+    assert {nice for _, nice in commits} == {min(19, base + STORE_WRITE_NICE)}
+    assert os.getpriority(os.PRIO_PROCESS, loop_thread) == base
 
 
 @pytest.mark.parametrize(
