@@ -802,15 +802,13 @@ def lower_roles(server: Server, spec: str) -> None:
 
     roles, _, level = spec.partition("=")
     processes = server.stats()["processes"]
+    everyone = tree(server.process.pid)
+    not_rest = {server.process.pid, *(w["pid"] for w in processes["workers"])}
     pids = {
         "engine": [e["pid"] for e in processes["engines"]],
         "index": [processes["index"]["pid"]],
-        "job": [p for p in tree(server.process.pid) if proc_name(p) == STARTER_NAME],
-        "rest": [
-            p
-            for p in tree(server.process.pid)
-            if p != server.process.pid and p not in {w["pid"] for w in processes["workers"]}
-        ],
+        "job": [p for p in everyone if proc_name(p) == STARTER_NAME],
+        "rest": [p for p in everyone if p not in not_rest],
     }
     for role in roles.split(","):
         for pid in pids[role]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -44,7 +43,7 @@ from engines.registry import create_engine
 from engines.tokenization import FastTokenizer, TokenizedTexts
 from features.text import TEXT_SCHEMA_VERSION
 from proxy.board import Board
-from proxy.cores import usable_cores
+from proxy.cores import lower, usable_cores
 from proxy.device_process import DeviceProcessEngine, use_device_process
 from proxy.gpu_health import GpuCheck
 from proxy.ipc import Blobs, Handler, RpcClient, RpcServer, frame_rows, rows_frame
@@ -414,16 +413,6 @@ def lmdb_partitions(settings: Settings, cores: int | None = None) -> int:
 STORE_WRITE_NICE = 10
 
 
-def _below_engine() -> None:
-    """An executor thread's initializer: this thread ``STORE_WRITE_NICE`` below the engine's
-    (Linux gives each thread a nice value of its own)."""
-    me = threading.get_native_id()
-    with contextlib.suppress(OSError):
-        os.setpriority(
-            os.PRIO_PROCESS, me, min(19, os.getpriority(os.PRIO_PROCESS, me) + STORE_WRITE_NICE)
-        )
-
-
 @contextlib.asynccontextmanager
 async def shared_tier(settings: Settings) -> AsyncIterator[TieredByteStore]:
     """The shared tier alone (no memory tier): what the engine process writes rows to; LMDB's
@@ -432,7 +421,9 @@ async def shared_tier(settings: Settings) -> AsyncIterator[TieredByteStore]:
     from cache import stores
 
     map_size = int(settings.lmdb_map_size_gb * 2**30)
-    committer = ThreadPoolExecutor(1, "store-write", initializer=_below_engine)
+    committer = ThreadPoolExecutor(  # its one thread below the engine's others
+        1, "store-write", initializer=lambda: lower(threading.get_native_id(), STORE_WRITE_NICE)
+    )
     if settings.store == "lmdb" and lmdb_writer(settings) == "process":
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())

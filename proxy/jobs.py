@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from proxy.board import Boards
-from proxy.cores import usable_cores
+from proxy.cores import lower, usable_cores
 from proxy.processes import ENGINE_GC_THRESHOLDS, ChildSpec, frozen_heap
 from proxy.settings import Settings
 from proxy.warmup import CHECKPOINT_EVERY_S, Shard, WarmupProgress, shown_source
@@ -95,8 +95,7 @@ def lower_priority(pid: int) -> None:
     many distributions') a nice value only ranks a process within its session's group, so
     a job in a session of its own took a whole group's share of the cores beside the
     server's, whatever its nice (``perf sched``, 2-core box, docs/BENCHMARKS.md 2026-12-05)."""
-    with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, pid, min(19, os.getpriority(os.PRIO_PROCESS, 0) + NICE))
+    lower(pid, NICE)
 
 
 def jobs_dir(settings: Settings) -> Path:
