@@ -26,14 +26,13 @@ Threading model::
     event loop, so the engine thread goes from one forward to the next while the loop is busy
     (on the H200, under 8 workers' load, the loop's turns between a forward's end and the
     next batch's hand-off left the GPU idle while full batches queued). At most ``AHEAD``
-    batches (or ``warmup_ahead``, if more) are handed over that the engine has not started,
-    and only the first ``warmup_ahead`` of them (one by default) may hold warm-up items: a
-    dispatch item that arrives after warm-up batches were formed early waits for at most
-    ``warmup_ahead`` more forwards (theirs); one, as without the overlap, by default. Only
-    full batches are formed early, so max_delay behaves as without it. The engine thread
-    starting on a batch wakes the worker (a slot ahead is free), and its outcome resolves the
-    requests in the loop's next turn: no task or wrapped future between (each layer cost a
-    turn, and a turn of the engine process's loop under 8 workers' load lasts milliseconds).
+    batches are handed over that the engine has not started, and only one of them may hold
+    warm-up items: a dispatch item that arrives after a warm-up batch was formed early waits
+    for at most one more forward (that batch's), as without the overlap. Only full batches
+    are formed early, so max_delay behaves as without it. The engine thread starting on a
+    batch wakes the worker (a slot ahead is free), and its outcome resolves the requests in
+    the loop's next turn: no task or wrapped future between (each layer cost a turn, and a
+    turn of the engine process's loop under 8 workers' load lasts milliseconds).
 
     The engine thread takes a batch's slices when it starts on it, under a lock that the
     deadline timer takes too: a request that went away or expired before that moment is not
@@ -95,7 +94,7 @@ from engines.tokenization import TokenizedTexts, owned
 logger = logging.getLogger(__name__)
 
 LANES = ("dispatch", "warmup")  # priority order: a batch takes dispatch items first
-AHEAD = 2  # batches handed over that the engine has not started on yet, at most (by default)
+AHEAD = 2  # batches handed over that the engine has not started on yet, at most
 
 
 @dataclass(frozen=True)
@@ -213,16 +212,13 @@ class Batcher:
         max_delay_ms: float = 2.0,
         max_queue: int = 100_000,
         max_batch_tokens: int | None = None,
-        warmup_ahead: int = 1,
         window: int = 1024,
         on_queue_wait: QueueWaitObserver | None = None,
         on_sent: SentObserver | None = None,
         on_batch_done: Callable[[], None] | None = None,
     ) -> None:
-        if min(max_batch_size, max_queue, window, warmup_ahead) < 1 or max_delay_ms < 0:
-            raise ValueError(
-                "max_batch_size, max_queue, window, warmup_ahead >= 1 and max_delay_ms >= 0"
-            )
+        if max_batch_size < 1 or max_queue < 1 or window < 1 or max_delay_ms < 0:
+            raise ValueError("max_batch_size, max_queue, window >= 1 and max_delay_ms >= 0")
         if max_batch_tokens is not None and max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be positive or None, got {max_batch_tokens}")
         self.engine = engine
@@ -230,8 +226,6 @@ class Batcher:
         self.max_delay_s = max_delay_ms / 1000
         self.max_queue = max_queue
         self.max_batch_tokens = max_batch_tokens
-        self.warmup_ahead = warmup_ahead
-        self._ahead = max(AHEAD, warmup_ahead)
         self.on_queue_wait = on_queue_wait
         self.on_sent = on_sent
         self.on_batch_done = on_batch_done
@@ -448,8 +442,8 @@ class Batcher:
                         self._hand_off(batch)
                 elif (
                     self._outstanding
-                    and len(self._waiting_engine) < self._ahead
-                    and (batch := self._take_ahead(len(self._waiting_engine) < self.warmup_ahead))
+                    and len(self._waiting_engine) < AHEAD
+                    and (batch := self._take_ahead(not self._waiting_engine))
                 ):
                     self._hand_off(batch, ahead=True)
                 else:  # idle, or the engine has its next batches, or the next is not full yet
@@ -471,11 +465,11 @@ class Batcher:
         if self._wake is not None and not self._wake.done():
             self._wake.set_result(None)
 
-    def _take_ahead(self, warmup: bool) -> list[_Slice]:
+    def _take_ahead(self, first: bool) -> list[_Slice]:
         """The next batch to tokenize while the engine runs, if it is full: of either lane
-        when it may hold ``warmup`` items (it is among the first ``warmup_ahead`` the engine
-        has not started on), else of dispatch items only."""
-        lanes = LANES if warmup else LANES[:1]
+        when it is the ``first`` the engine has not started on, else of dispatch items only
+        (at most one batch formed early holds warm-up items)."""
+        lanes = LANES if first else LANES[:1]
         if sum(self._lane_waiting[lane] for lane in lanes) < self.max_batch_size:
             return []
         return self._take(lanes)

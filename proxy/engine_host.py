@@ -154,7 +154,6 @@ class EngineHost:
             max_delay_ms=settings.max_delay_ms,
             max_queue=settings.max_queue,
             max_batch_tokens=settings.max_batch_tokens,
-            warmup_ahead=settings.warmup_ahead,
             on_queue_wait=self._queue_wait,
             on_sent=self._sent,
             on_batch_done=self.publish,

@@ -159,13 +159,6 @@ class Settings(BaseSettings):
     warmup_depth: int = Field(
         12, ge=1, le=64, description="chunks each warm-up reader has in the server at once"
     )
-    warmup_ahead: int = Field(
-        1,
-        ge=1,
-        le=8,
-        description="batches holding warm-up texts the engine may have queued behind the one "
-        "it runs: a dispatch miss waits behind at most that many",
-    )
     # A worker serves ~900-1,200 requests of 32 cached texts a second on the H200 machine and
     # ~2,300 on the 2-core box (docs/BENCHMARKS.md): 64 waiting is 30-70 ms of queue; past
     # that a 429 now serves a client better than a late answer (v1: 750 ms p99 at 64 in one).

@@ -464,33 +464,6 @@ def test_full_warmup_batch_is_tokenized_ahead_and_dispatch_waits_one_forward_at_
     run(test)
 
 
-def test_warmup_ahead_lets_more_warmup_batches_queue_and_dispatch_waits_that_many() -> None:
-    async def test() -> None:
-        engine = ThreadRecordingEngine(hold=True)
-        async with Batcher(engine, max_batch_size=4, warmup_ahead=2) as batcher:
-            first = spawn(batcher.submit(["first"]))
-            await engine_busy(engine)
-            warm = spawn(batcher.submit([f"w{i}" for i in range(12)], lane="warmup"))
-            await until(lambda: len(engine.tokenized_on) == 3)  # w0..w7: two batches ahead
-            await asyncio.sleep(0.05)
-            assert len(engine.tokenized_on) == 3  # not a third warm-up batch
-            late = spawn(batcher.submit(["late"]))
-            await until(lambda: batcher.queued == 13)  # 8 tokenized ahead + 5 queued
-            engine.release()
-            results = await asyncio.gather(first, warm, late)
-        assert [on.startswith("tokenizer") for on in engine.tokenized_on[1:3]] == [True, True]
-        assert engine.batches == [
-            ["first"],
-            ["w0", "w1", "w2", "w3"],
-            ["w4", "w5", "w6", "w7"],
-            ["late", "w8", "w9", "w10"],
-            ["w11"],
-        ]
-        np.testing.assert_array_equal(results[1], engine.expected([f"w{i}" for i in range(12)]))
-
-    run(test)
-
-
 class GatedTokenizerEngine(ThreadRecordingEngine):
     """The tokenizer thread's ``tokenize`` waits for ``tokenized`` to be released."""
 
