@@ -638,9 +638,11 @@ def run_job(server: Server, fleet: Path) -> dict[str, Any]:
     between 10% and 90% of its records, what its start and end leave out) and
     ``queue_empty``: the share of the samples of the engine's queue (``/v1/stats``
     ``queue.depth``, every ~0.1 s between the first rows and the end) that found no text
-    waiting there: while it is empty, the engine waits for the job's readers."""
+    waiting there: while it is empty, the engine waits for the job's readers; and
+    ``device``: what the device child did over those samples (``device_child``)."""
     samples: list[tuple[float, int]] = []  # (seconds after the POST, indexed)
     depths: list[int] = []  # the engine's queue, sampled once the first rows are in
+    children: list[tuple[float, Any]] = []  # (when, /v1/stats inference.device_process)
     with httpx.Client(base_url=server.url, timeout=600) as client:
         posted = time.monotonic()
         response = client.post(
@@ -653,13 +655,29 @@ def run_job(server: Server, fleet: Path) -> dict[str, Any]:
         while (job := client.get(f"/v1/warmup/{job_id}").json())["state"] in ("queued", "running"):
             samples.append((time.monotonic() - posted, job["indexed"]))
             if job["indexed"] and len(samples) % 2:
-                depths.append(client.get("/v1/stats").json()["queue"]["depth"])
+                stats = client.get("/v1/stats").json()
+                depths.append(stats["queue"]["depth"])
+                children.append((time.monotonic(), stats["inference"]["device_process"]))
             time.sleep(0.05)
     if job["state"] != "done":
         raise SystemExit(f"warm-up job ended {job['state']}: {job.get('error')}")
     samples.append((time.monotonic() - posted, job["indexed"]))
     empty = sum(d == 0 for d in depths) / len(depths) if depths else float("nan")
-    return {**job, **job_timeline(samples), "queue_empty": empty}
+    device = device_child(children[0], children[-1]) if len(children) > 1 else None
+    return {**job, **job_timeline(samples), "queue_empty": empty, "device": device}
+
+
+def device_child(first: tuple[float, Any], last: tuple[float, Any]) -> dict[str, Any] | None:
+    """What the device child (``proxy.device_process``) did between two samples of its
+    ``/v1/stats`` (None without one, or when another child replaced it): ``span_s``, the
+    batches it answered, those that found nothing padded, and its seconds."""
+    (t0, a), (t1, b) = first, last
+    if a is None or b is None or a["pid"] != b["pid"]:
+        return None
+    seconds = {k: b["seconds"][k] - a["seconds"][k] for k in b["seconds"]}
+    batches = b["batches"] - a["batches"]
+    starved = b["starved_batches"] - a["starved_batches"]
+    return {"span_s": t1 - t0, "batches": batches, "starved": starved, "seconds": seconds}
 
 
 def job_timeline(samples: list[tuple[float, int]]) -> dict[str, float]:
@@ -729,6 +747,7 @@ def measure_warmup(args: argparse.Namespace, server: Server, wrk: Wrk, out: Path
         "steady_per_s": job["steady_per_s"],
         "total_s": job["total_s"],
         "queue_empty": job["queue_empty"],
+        "device": job["device"],
         "beside_features_per_s": statistics.median(beside),
         "lookup_p99_alone_ms": alone,
         "lookup_p99_during_ms": during,
@@ -1075,6 +1094,22 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
                 f"{mean_ms * batches / 1e3:.2f} s of it ({mean_ms * batches / 1e3 / running:.0%}); "
                 f"the engine's queue empty in {w['queue_empty']:.0%} of its samples"
             )
+            if device := w.get("device"):
+                print(device_line(device))
+
+
+def device_line(device: dict[str, Any]) -> str:
+    """How the device child spent a job's span (``device_child``): a loop waiting with the
+    device idle says the engine process sends batches late; batches waiting padded say the
+    child's own loop is late."""
+    span, n, s = device["span_s"], max(device["batches"], 1), device["seconds"]
+    return (
+        f"the device child over {span:.2f} s of it ({device['batches']:,} batches): forward "
+        f"{s['forward']:.2f} s ({s['forward'] / span:.0%}); its loop waiting for a batch "
+        f"{s['waiting']:.2f} s ({s['waiting'] / span:.0%}), in {device['starved']:,} of the "
+        f"batches; padded batches waiting for the loop {s['queued'] * 1e3 / n:.2f} ms a "
+        f"batch; padding {s['padding'] * 1e3 / n:.2f} ms a batch (its thread)"
+    )
 
 
 def autogroup() -> str:

@@ -27,6 +27,14 @@ the batcher's token budget sees each text's padded length as before. Answers com
 order sent; whoever waits files those of other batches by their sequence number (a batch
 the batcher dropped after sending it is computed and its answer forgotten).
 
+Each answer carries how the child spent that batch's time (``TIMES``), summed in
+``health()`` (``/v1/stats`` ``inference.device_process``): the seconds its device loop waited
+with nothing padded (``waiting``; ``starved_batches`` counts the batches that found none
+ready), those a padded batch waited for the loop (``queued``), its thread's padding
+(``padding``) and the forward with its postprocessing (``forward``). A loop starved while the
+device is idle says the engine process sends batches late; batches queued while it is idle
+say the child's own loop is late.
+
 A child that dies (a crashed driver, the OOM killer, kill -9) fails the batch it held with
 ``EngineUnavailableError``; another child is started at once in the background and, until it
 is ready, every batch fails the same way at once: ``FallbackEngine`` trips to its fallback
@@ -44,6 +52,7 @@ import os
 import queue
 import secrets
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from multiprocessing.process import BaseProcess
@@ -73,6 +82,8 @@ START_TIMEOUT_S = 900.0  # loading a model and capturing its CUDA graphs
 BATCH_TIMEOUT_S = 120.0  # a batch unanswered this long: the device hangs, the child is killed
 _POLL_MS = 500  # how often a wait checks that the child is alive
 _KEPT_ANSWERS = 16  # answers filed for batches nobody waits for yet (the batcher sends 2 ahead)
+# What an answer's "t" holds, in order (see the module docstring): summed by the engine process.
+TIMES = ("starved_batches", "waiting", "queued", "padding", "forward")
 _ERRORS: dict[str, type[EngineError]] = {
     "BatchError": BatchError,
     "EngineUnavailableError": EngineUnavailableError,
@@ -122,6 +133,9 @@ class DeviceProcessEngine(Engine):
         self._read_lock = threading.Lock()
         self._sent = 0
         self._answers: dict[tuple[int, int], list[zmq.Frame]] = {}
+        self._times = dict.fromkeys(TIMES, 0.0)  # summed over the answered batches
+        self._timed = 0  # batches answered with rows
+        self._times_lock = threading.Lock()
         self._keeper: threading.Thread | None = None
         self._wanted = threading.Event()  # the keeper should start a child
         self._started = threading.Event()  # the keeper's last attempt is over
@@ -270,6 +284,10 @@ class DeviceProcessEngine(Engine):
         header = msgspec.msgpack.decode(frames[0].buffer)
         if "error" in header:
             raise _ERRORS.get(header["type"], EngineError)(header["error"])
+        with self._times_lock:
+            self._timed += 1
+            for name, value in zip(TIMES, header["t"], strict=True):
+                self._times[name] += value
         return np.frombuffer(frames[1].buffer, "<f4").reshape(header["shape"])
 
     def postprocess(self, output: Any, batch: Batch) -> Vectors:
@@ -278,7 +296,17 @@ class DeviceProcessEngine(Engine):
     def health(self) -> dict[str, Any]:
         child = self._child
         alive = child is not None and child.process.exitcode is None
-        return {"ok": alive, "pid": self.pid, "starts": self.starts, "reason": self._down}
+        with self._times_lock:
+            starved, *seconds = self._times.values()
+            timed = {"batches": self._timed, "starved_batches": int(starved)}
+        return {
+            "ok": alive,
+            "pid": self.pid,
+            "starts": self.starts,
+            "reason": self._down,
+            **timed,
+            "seconds": dict(zip(TIMES[1:], seconds, strict=True)),
+        }
 
     def _send(self, texts: Sequence[str]) -> tuple[int, int]:
         """Send a batch to the child; its ticket. ``EngineUnavailableError`` at once while
@@ -376,23 +404,31 @@ def device_main(kind: str, options: dict[str, Any], name: str, log_level: str) -
         "seq_buckets": list(getattr(engine, "seq_buckets", None) or ()) or None,
     }
     back.send(msgspec.msgpack.encode(ready))
-    tokenized: queue.SimpleQueue[tuple[bytes, Batch | Exception]] = queue.SimpleQueue()
+    # (seq, the padded batch or its failure, when its frames came, when it was padded)
+    tokenized: queue.SimpleQueue[tuple[bytes, Batch | Exception, float, float]]
+    tokenized = queue.SimpleQueue()
 
     def receive() -> None:
         while True:
             frames = incoming.recv_multipart(copy=False)
+            came = time.perf_counter()
             texts: list[str] = msgspec.msgpack.decode(frames[1].buffer)
             if len(frames) == 4:
                 flat = np.frombuffer(frames[2].buffer, "<i4")
                 texts = TokenizedTexts(texts, flat, np.frombuffer(frames[3].buffer, "<i8"))
+            padded: Batch | Exception
             try:
-                tokenized.put((frames[0].bytes, engine.tokenize(texts)))
+                padded = engine.tokenize(texts)
             except Exception as exc:  # the batch's own failure: the engine process decides
-                tokenized.put((frames[0].bytes, exc))
+                padded = exc
+            tokenized.put((frames[0].bytes, padded, came, time.perf_counter()))
 
     threading.Thread(target=receive, name="device-tokenizer", daemon=True).start()
     while True:
-        seq, batch = tokenized.get()
+        starved = tokenized.empty()
+        idle = time.perf_counter()
+        seq, batch, came, padded = tokenized.get()
+        start = time.perf_counter()
         try:
             if isinstance(batch, Exception):
                 raise batch
@@ -400,7 +436,9 @@ def device_main(kind: str, options: dict[str, Any], name: str, log_level: str) -
         except Exception as exc:
             back.send_multipart([seq, msgspec.msgpack.encode(_error(exc))])
             continue
-        header = msgspec.msgpack.encode({"shape": rows.shape})
+        # TIMES: a starved loop's wait counts from its last answer (from its start: the first)
+        times = (starved, start - idle, start - padded, padded - came, time.perf_counter() - start)
+        header = msgspec.msgpack.encode({"shape": rows.shape, "t": times})
         back.send_multipart([seq, header, rows.data], copy=False)
 
 

@@ -107,6 +107,33 @@ def test_a_batch_over_the_token_budget_is_not_sent_ahead() -> None:
         engine.close()
 
 
+def test_the_child_says_whether_its_device_loop_waited_for_batches_or_they_for_it() -> None:
+    """What tells a starved device child from a late one (``health()``, /v1/stats): one batch
+    at a time, its loop waits for each; three sent ahead, the second and third wait, padded,
+    behind the forward before them."""
+    engine = DeviceProcessEngine("fake", {"device": "cpu", "delay_s": 0.1})
+    engine.load()
+    try:
+        for i in range(2):
+            engine.embed(TEXTS[i : i + 5])
+            time.sleep(0.2)  # the loop waits, starved
+        alone = engine.health()
+        assert alone["batches"] == alone["starved_batches"] == 2
+        assert alone["seconds"]["waiting"] >= 0.2 and alone["seconds"]["queued"] < 0.05
+        assert 0.2 <= alone["seconds"]["forward"] < 1.0
+
+        sent = [engine.tokenize(TEXTS[i : i + 5]) for i in range(0, 15, 5)]
+        for batch in sent:
+            engine.forward(batch)
+        ahead = engine.health()
+        assert ahead["batches"] == 5 and ahead["starved_batches"] == 3  # the first only
+        queued = ahead["seconds"]["queued"] - alone["seconds"]["queued"]
+        assert queued >= 0.1 + 0.2 - 0.05  # ~0.1 s behind one forward, ~0.2 behind two
+        assert ahead["seconds"]["forward"] >= 0.5 and ahead["seconds"]["padding"] < 0.5
+    finally:
+        engine.close()
+
+
 def test_a_killed_device_child_fails_its_batch_and_another_serves() -> None:
     engine = DeviceProcessEngine("fake", {"device": "cpu", "delay_s": 1.0})
     engine.load()
@@ -208,7 +235,12 @@ def test_the_server_serves_on_while_its_device_child_is_replaced(tmp_path: Path)
         engine = server.pids()["engine"]["pid"]
         (child,) = descendants(engine)  # the writer is a thread here: the device child alone
         shown = server.stats()["inference"]["device_process"]
-        assert shown == {"ok": True, "pid": child, "starts": 1, "reason": None}
+        assert {k: shown[k] for k in ("ok", "pid", "starts", "reason")} == {
+            "ok": True,
+            "pid": child,
+            "starts": 1,
+            "reason": None,
+        }
         os.kill(child, signal.SIGKILL)
         statuses = [embed(server.url, [f"during {i}", "before"]).status_code for i in range(30)]
         assert statuses == [200] * 30
