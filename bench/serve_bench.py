@@ -72,7 +72,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -632,14 +632,16 @@ def kill_engine_under_load(server: Server, wrk: Wrk, connections: int, seconds: 
     return {**result, "back_s": back_s}
 
 
-def run_job(server: Server, fleet: Path) -> dict[str, Any]:
+def run_job(server: Server, fleet: Path, full: int) -> dict[str, Any]:
     """POST a JSONL body to /v1/warmup and wait for the job to end; with its timeline
     (``first_s``: from the POST to its first indexed records; ``steady_per_s``: features/s
     between 10% and 90% of its records, what its start and end leave out) and
     ``queue_empty``: the share of the samples of the engine's queue (``/v1/stats``
     ``queue.depth``, every ~0.1 s between the first rows and the end) that found no text
-    waiting there: while it is empty, the engine waits for the job's readers; and
-    ``device``: what the device child did over those samples (``device_child``)."""
+    waiting there: while it is empty, the engine waits for the job's readers;
+    ``queue_full``: those that found a ``full`` batch waiting (whatever the engine waits for
+    then, it is not the readers); and ``device``: what the device child did over those
+    samples (``device_child``)."""
     samples: list[tuple[float, int]] = []  # (seconds after the POST, indexed)
     depths: list[int] = []  # the engine's queue, sampled once the first rows are in
     children: list[tuple[float, Any]] = []  # (when, /v1/stats inference.device_process)
@@ -662,9 +664,18 @@ def run_job(server: Server, fleet: Path) -> dict[str, Any]:
     if job["state"] != "done":
         raise SystemExit(f"warm-up job ended {job['state']}: {job.get('error')}")
     samples.append((time.monotonic() - posted, job["indexed"]))
-    empty = sum(d == 0 for d in depths) / len(depths) if depths else float("nan")
+
+    def share(found: Callable[[int], bool]) -> float:
+        return sum(map(found, depths)) / len(depths) if depths else float("nan")
+
     device = device_child(children[0], children[-1]) if len(children) > 1 else None
-    return {**job, **job_timeline(samples), "queue_empty": empty, "device": device}
+    return {
+        **job,
+        **job_timeline(samples),
+        "queue_empty": share(lambda depth: depth == 0),
+        "queue_full": share(lambda depth: depth >= full),
+        "device": device,
+    }
 
 
 def device_child(first: tuple[float, Any], last: tuple[float, Any]) -> dict[str, Any] | None:
@@ -718,7 +729,7 @@ def measure_warmup(args: argparse.Namespace, server: Server, wrk: Wrk, out: Path
         profiled(args, server, profile, True),
         cpu,
     ):
-        job = run_job(server, files[0])
+        job = run_job(server, files[0], args.max_batch_size)
     stages = stage_means(before, server.metrics(), WARMUP_STAGES)
     paced = {"POOL": str(POOL), "FMT": "base64", "GAP_MS": str(LOOKUP_GAP_MS)}
     alone, during, beside = [], [], []
@@ -733,7 +744,7 @@ def measure_warmup(args: argparse.Namespace, server: Server, wrk: Wrk, out: Path
         with RunQueueWait(workers) as wait:
             lookups = wrk.start("hits.lua", server.url, 8, 600, **paced)
             try:
-                job_beside = run_job(server, path)
+                job_beside = run_job(server, path, args.max_batch_size)
             finally:
                 lookups.send_signal(signal.SIGINT)  # wrk reports what it saw so far
         waits["during"].append(wait.per_s)
@@ -747,6 +758,7 @@ def measure_warmup(args: argparse.Namespace, server: Server, wrk: Wrk, out: Path
         "steady_per_s": job["steady_per_s"],
         "total_s": job["total_s"],
         "queue_empty": job["queue_empty"],
+        "queue_full": job["queue_full"],
         "device": job["device"],
         "beside_features_per_s": statistics.median(beside),
         "lookup_p99_alone_ms": alone,
@@ -1092,7 +1104,8 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
             print(
                 f"from its first rows to its end ({running:.2f} s): the device's batches "
                 f"{mean_ms * batches / 1e3:.2f} s of it ({mean_ms * batches / 1e3 / running:.0%}); "
-                f"the engine's queue empty in {w['queue_empty']:.0%} of its samples"
+                f"the engine's queue empty in {w['queue_empty']:.0%} of its samples, a full "
+                f"batch waiting in {w['queue_full']:.0%}"
             )
             if device := w.get("device"):
                 print(device_line(device))
