@@ -128,6 +128,13 @@ class Engine(ABC):
         (``engines.tokenization.TokenizedTexts``); None: it tokenizes every text itself."""
         return None
 
+    def padded_lengths(self, texts: Sequence[str]) -> npt.NDArray[np.int64] | None:
+        """Each text's padded length as ``tokenize`` would give it (``Batch.seq_lengths``),
+        when it is known without tokenizing (texts that come with this engine's ids): the
+        batcher then forms its batches within the token budget. None: known once tokenized
+        (the batcher's engine thread splits a batch over the budget)."""
+        return None
+
     def health(self) -> dict[str, Any]:
         """Cheap liveness facts for /readyz and /v1/stats; never raises.
 

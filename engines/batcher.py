@@ -53,12 +53,17 @@ queued (or tokenized ahead) are dropped before reaching the engine. A request la
 ``max_batch_size`` is split across batches and resolved when its last slice returns.
 
 Token budget: a batch costs ``size x padded sequence length`` (``Batch.seq_lengths``, the
-engine's own tokenization and buckets). Lengths are only known once a batch is tokenized, and
-tokenizing twice would halve what the tokenizer (the bottleneck next to a GPU) can feed, so the
-budget is enforced on the engine thread: a batch over ``max_batch_tokens`` is run as several
-forwards, contiguous groups within the budget (each tokenized again); a text over the budget
-on its own runs alone. Batches tokenized ahead go through the same check. Size the budget so
-that normal traffic never reaches it: it is a guard against long texts.
+engine's own tokenization and buckets). Where the lengths are known on admission (texts that
+come with the engine's token ids, a worker's: ``Engine.padded_lengths``), a batch is formed
+within ``max_batch_tokens`` (a text over it alone), so it is tokenized once and, ahead of the
+forward before it, reaches a device child at once. Other texts' lengths are known only once
+tokenized, and tokenizing twice would halve what the tokenizer (the bottleneck next to a
+GPU) can feed, so for them the budget is enforced on the engine thread: a batch over it is
+run as several forwards, contiguous groups within the budget (each tokenized again); a text
+over the budget on its own runs alone. Batches tokenized ahead go through the same check. A
+batch is formed early (``_take_ahead``) when ``max_batch_size`` items wait, whatever the
+budget leaves of them. Size the budget so that normal traffic never reaches it: it is a
+guard against long texts.
 """
 
 from __future__ import annotations
@@ -139,6 +144,8 @@ class _Request:
         "filled",
         "future",
         "lane",
+        "lengths",
+        "longest",
         "rows",
         "sent",
         "submitted",
@@ -156,8 +163,11 @@ class _Request:
         deadline: float | None,
         tag: str,
         counted: bool = True,
+        lengths: npt.NDArray[np.int64] | None = None,
     ) -> None:
         self.texts = texts
+        self.lengths = lengths  # each text's padded length, when known before tokenizing
+        self.longest = 0 if lengths is None else int(lengths.max(initial=0))
         self.lane = lane
         self.tag = tag
         self.counted = counted
@@ -381,8 +391,10 @@ class Batcher:
                 f"would exceed max_queue={self.max_queue}"
             )
         loop = asyncio.get_running_loop()
+        texts = owned(texts)
+        lengths = None if self.max_batch_tokens is None else self.engine.padded_lengths(texts)
         request = _Request(
-            owned(texts), loop.create_future(), self.engine.dim, lane, deadline, tag, counted
+            texts, loop.create_future(), self.engine.dim, lane, deadline, tag, counted, lengths
         )
         self._lanes[lane].append(request)
         self._queued += len(texts)
@@ -489,9 +501,10 @@ class Batcher:
 
     def _take(self, lanes: Sequence[str] = LANES) -> list[_Slice]:
         """Up to max_batch_size queued items of ``lanes``, dispatch lane first, in submission
-        order."""
+        order; within ``max_batch_tokens`` where their padded lengths are known (``_fit``)."""
         room = self.max_batch_size
         batch: list[_Slice] = []
+        longest = 0  # the longest known padded length in the batch
         for lane in lanes:
             queue = self._lanes[lane]
             while room and queue:
@@ -499,12 +512,23 @@ class Batcher:
                 if request.future.done():  # cancelled, or failed in an earlier slice
                     self._drop(request)
                 if request.waiting:
-                    count = min(room, request.waiting)
-                    batch.append((request, request.taken, request.taken + count))
-                    request.taken += count
-                    self._queued -= count
-                    self._lane_waiting[lane] -= count
-                    room -= count
+                    count, full = min(room, request.waiting), False
+                    budget = self.max_batch_tokens
+                    if request.lengths is not None and budget is not None:
+                        size = self.max_batch_size - room
+                        if (size + count) * max(longest, request.longest) <= budget:
+                            longest = max(longest, request.longest)  # all of it fits
+                        else:
+                            fits, longest = _fit(request, count, size, longest, budget)
+                            count, full = fits, fits < count  # full: the budget is reached
+                    if count:
+                        batch.append((request, request.taken, request.taken + count))
+                        request.taken += count
+                        self._queued -= count
+                        self._lane_waiting[lane] -= count
+                        room -= count
+                    if full:
+                        room = 0
                 if not request.waiting:
                     queue.popleft()
         return batch
@@ -777,6 +801,19 @@ def as_engine_error(exc: Exception) -> EngineError:
 def deadline_after(ms: float | None) -> float | None:
     """The ``submit`` deadline ``ms`` milliseconds from now (None stays None)."""
     return None if ms is None else time.monotonic() + ms / 1000
+
+
+def _fit(request: _Request, count: int, size: int, longest: int, budget: int) -> tuple[int, int]:
+    """How many of the next ``count`` items of ``request`` (known padded lengths) a batch of
+    ``size`` items whose longest is ``longest`` takes within ``budget`` (size x the longest),
+    at least one into an empty batch (a text over the budget runs alone), and the longest
+    then."""
+    assert request.lengths is not None
+    lengths = request.lengths[request.taken : request.taken + count]
+    longer = np.maximum.accumulate(np.maximum(lengths, longest))
+    costs = np.arange(size + 1, size + count + 1) * longer  # non-decreasing
+    fits = max(int(np.searchsorted(costs, budget, side="right")), 0 if size else 1)
+    return fits, int(longer[fits - 1]) if fits else longest
 
 
 def budget_groups(lengths: npt.NDArray[np.int64], budget: int | None) -> list[tuple[int, int]]:

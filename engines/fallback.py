@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from engines.base import Batch, BatchError, Engine, EngineError, EngineUnavailableError, Vectors
-from engines.tokenization import FastTokenizer, owned
+from engines.tokenization import FastTokenizer, IntArray, owned
 
 logger = logging.getLogger(__name__)
 
@@ -164,12 +164,19 @@ class FallbackEngine(Engine):
             return None
         return tokenizers[0]
 
+    def padded_lengths(self, texts: Sequence[str]) -> IntArray | None:
+        return self._expected().padded_lengths(texts)
+
     def tokenize(self, texts: Sequence[str]) -> Batch:
         """Tokenized by the engine expected to run it; the other one tokenizes again."""
-        engine = self.primary if self._use_primary() or self.fallback is None else self.fallback
+        engine = self._expected()
         inner = engine.tokenize(texts)
         data = {"engine": engine, "batch": inner, "texts": owned(texts)}  # ids for the other
         return Batch(inner.size, inner.tokens, data, inner.seq_lengths)
+
+    def _expected(self) -> Engine:
+        """The engine expected to run the next batch."""
+        return self.primary if self._use_primary() or self.fallback is None else self.fallback
 
     def forward(self, batch: Batch) -> Vectors:
         """Final vectors (postprocessed by the engine that ran them)."""

@@ -40,6 +40,9 @@ from engines.tokenization import (
     DEFAULT_BATCH_BUCKETS,
     DEFAULT_SEQ_BUCKETS,
     FastTokenizer,
+    IntArray,
+    TokenizedTexts,
+    bucket_lengths,
     chunked_batch,
     seq_buckets_for,
 )
@@ -243,6 +246,13 @@ class TorchEngine(Engine):
 
     def tokenizer(self) -> FastTokenizer | None:
         return self._fast if self._runner is not None else None  # the dynamic path: its own
+
+    def padded_lengths(self, texts: Sequence[str]) -> IntArray | None:
+        """The fixed-shape path's buckets of texts with its ids (the dynamic path pads a batch
+        to its longest text: known once tokenized)."""
+        if self._runner is None or not isinstance(texts, TokenizedTexts):
+            return None
+        return bucket_lengths(np.diff(texts.bounds), self.seq_buckets)
 
     def tokenize(self, texts: Sequence[str]) -> Batch:
         self._loaded()

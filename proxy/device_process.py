@@ -74,7 +74,7 @@ from engines.base import (
 )
 from engines.batcher import budget_groups
 from engines.registry import create_engine
-from engines.tokenization import FastTokenizer, TokenizedTexts, bucket_lengths
+from engines.tokenization import FastTokenizer, IntArray, TokenizedTexts, bucket_lengths
 
 log = logging.getLogger("fleetcache.engine")
 
@@ -249,6 +249,17 @@ class DeviceProcessEngine(Engine):
     def tokenizer(self) -> FastTokenizer | None:
         return self._fast
 
+    def padded_lengths(self, texts: Sequence[str]) -> IntArray | None:
+        """Known for texts with this tokenizer's ids, and for any text without a tokenizer
+        (each counts ``max_seq_length``: the child tokenizes it)."""
+        if self._fast is None:
+            return np.full(len(texts), self.info.max_seq_length, np.int64)
+        return self._padded(np.diff(texts.bounds)) if isinstance(texts, TokenizedTexts) else None
+
+    def _padded(self, counts: IntArray) -> IntArray:
+        buckets = self._seq_buckets
+        return counts if buckets is None else bucket_lengths(counts, buckets)
+
     def tokenize(self, texts: Sequence[str]) -> Batch:
         """The texts with their ids (a worker's kept as sent) and each text's padded length
         for the token budget (without a tokenizer: the texts alone, the child tokenizes),
@@ -256,14 +267,13 @@ class DeviceProcessEngine(Engine):
         before; not a batch over ``max_batch_tokens``, which the batcher runs in groups."""
         if self._fast is None:
             batch = Batch(len(texts), 0, {"texts": texts})
-            padded = np.full(len(texts), self.info.max_seq_length, np.int64)
         else:
             if not isinstance(texts, TokenizedTexts):
                 texts = TokenizedTexts.of(texts, self._fast.ids(texts, cached=False))
             counts = np.diff(texts.bounds)
-            buckets = self._seq_buckets
-            padded = counts if buckets is None else bucket_lengths(counts, buckets)
-            batch = Batch(len(texts), int(counts.sum()), {"texts": texts}, padded)
+            batch = Batch(len(texts), int(counts.sum()), {"texts": texts}, self._padded(counts))
+        padded = self.padded_lengths(texts)
+        assert padded is not None  # texts with this tokenizer's ids, or no tokenizer
         if len(budget_groups(padded, self.max_batch_tokens)) == 1:
             with contextlib.suppress(EngineUnavailableError):  # forward tries again, says so
                 batch.data["ticket"] = self._send(texts)

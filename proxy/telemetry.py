@@ -17,7 +17,7 @@ from typing import Any
 
 from cache.stats import CacheStats
 from engines.base import Batch, Engine, Vectors
-from engines.tokenization import FastTokenizer
+from engines.tokenization import FastTokenizer, IntArray
 from proxy.board import Board
 
 REQUESTS = "fleetcache_request_duration_seconds"
@@ -89,6 +89,9 @@ class StageTimingEngine(Engine):
 
     def tokenizer(self) -> FastTokenizer | None:
         return self.inner.tokenizer()
+
+    def padded_lengths(self, texts: Sequence[str]) -> IntArray | None:
+        return self.inner.padded_lengths(texts)
 
     def health(self) -> dict[str, Any]:
         return self.inner.health()

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 
 from cache.flight import SingleFlight
@@ -794,6 +795,76 @@ def test_a_batch_tokenized_ahead_respects_the_token_budget() -> None:
             np.testing.assert_array_equal(await full, engine.expected(texts))
             await first
         assert engine.tokenized_on[1].startswith("tokenizer")
+        assert engine.batches == [["first"], ["a b c", "d e f"], ["g h i", "j k l"]]
+
+    run(test)
+
+
+class KnownLengthsEngine(ThreadRecordingEngine):
+    """Says each text's padded length (its words, at least one) before tokenizing, as an
+    engine does for texts that come with its token ids."""
+
+    def padded_lengths(self, texts: Sequence[str]) -> npt.NDArray[np.int64]:
+        return np.array([max(len(text.split()), 1) for text in texts], dtype=np.int64)
+
+
+def test_with_lengths_known_on_admission_batches_form_within_the_budget() -> None:
+    """Each batch is tokenized once (no group of it again on the engine thread), a long
+    text alone; the same vectors and counts as with lengths known only once tokenized."""
+
+    async def test() -> None:
+        engine = KnownLengthsEngine()
+        long = " ".join(f"w{i}" for i in range(20))
+        texts = ["a b c", "d e f", "g h i", "j k l", "m n o", long, "p q"]
+        async with Batcher(engine, max_batch_size=16, max_batch_tokens=12) as batcher:
+            vectors = await batcher.submit(texts)
+            stats = batcher.stats()
+        assert engine.batches == [["a b c", "d e f", "g h i", "j k l"], ["m n o"], [long], ["p q"]]
+        assert len(engine.tokenized_on) == engine.calls == stats.batches == 4
+        np.testing.assert_array_equal(vectors, engine.expected(texts))
+        assert stats.items == engine.items == len(texts)
+
+    run(test)
+
+
+def test_with_lengths_known_concurrent_submissions_form_batches_within_the_budget() -> None:
+    async def test() -> None:
+        rng = random.Random(5)
+        engine = KnownLengthsEngine()
+        requests = [  # some larger than a batch: their slices go to several
+            [" ".join(["x"] * rng.randint(1, 9)) + f" r{i}-{j}" for j in range(size)]
+            for i, size in enumerate(rng.choice([1, 2, 3, 6, 20]) for _ in range(60))
+        ]
+        async with Batcher(engine, max_batch_size=16, max_batch_tokens=40) as batcher:
+            results = await asyncio.gather(*(batcher.submit(texts) for texts in requests))
+            stats = batcher.stats()
+        assert all(batch_cost(batch) <= 40 for batch in engine.batches)
+        assert len(engine.tokenized_on) == engine.calls == stats.batches
+        assert max(len(batch) for batch in engine.batches) > 4  # batches still fill up
+        for texts, vectors in zip(requests, results, strict=True):
+            np.testing.assert_array_equal(vectors, engine.expected(texts))
+
+    run(test)
+
+
+def test_with_lengths_known_a_batch_formed_ahead_is_within_the_budget() -> None:
+    """Formed ahead of the forward before it and tokenized there once: what a device child
+    receives at once (a batch over the budget was sent to it only group by group, when its
+    forward began)."""
+
+    async def test() -> None:
+        engine = KnownLengthsEngine(hold=True)
+        async with Batcher(engine, max_batch_size=4, max_batch_tokens=6) as batcher:
+            first = spawn(batcher.submit(["first"]))
+            await engine_busy(engine)
+            texts = ["a b c", "d e f", "g h i", "j k l"]  # 4 x 3 = 12 tokens: over the budget
+            full = spawn(batcher.submit(texts))
+            await until(lambda: len(engine.tokenized_on) == 2)  # the first two, ahead
+            assert batcher.waiting_engine == 2 and batcher.queued == 4
+            engine.release()
+            np.testing.assert_array_equal(await full, engine.expected(texts))
+            await first
+        assert engine.tokenized_on[1].startswith("tokenizer") and len(engine.tokenized_on) == 3
         assert engine.batches == [["first"], ["a b c", "d e f"], ["g h i", "j k l"]]
 
     run(test)

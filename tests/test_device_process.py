@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -105,6 +106,41 @@ def test_a_batch_over_the_token_budget_is_not_sent_ahead() -> None:
         assert np.array_equal(engine.forward(whole), local.embed(TEXTS[:3]))
     finally:
         engine.close()
+
+
+def test_batches_form_within_the_token_budget_and_reach_the_child_ahead(tmp_path: Path) -> None:
+    """The engine process (its batcher, timing and fallback around the child): without a
+    tokenizer every text counts ``max_seq_length`` (256), known before the child tokenizes
+    it, so the batcher forms batches of 128 within a budget of 32,768, each sent while the
+    one before runs: the child's loop never waits after the first. (Batches of 256 were cut
+    in two on the engine thread, each half sent when its forward began: the loop waited for
+    every one of them.)"""
+    from proxy.board import Board
+    from proxy.engine_host import open_engine_host
+
+    settings = Settings(
+        engine="fake",
+        device_process="on",
+        fake_delay_ms=50,
+        max_batch_size=256,
+        data_dir=tmp_path,
+        store="lmdb",
+        gpu_health_interval_s=0,
+    )
+    assert settings.max_batch_tokens == 32_768
+
+    async def scenario() -> dict[str, Any]:
+        async with open_engine_host(settings, Board("engine")) as host:
+            parts = [TEXTS[i : i + 128] for i in range(0, 256, 128)]
+            parts += [[f"{text} {n}" for text in part] for part in parts for n in range(3)]
+            flown = await asyncio.gather(
+                *(host.embed(p, lane="warmup", caller="warmup", ttl_s={}) for p in parts)
+            )
+            assert np.array_equal(flown[0].rows, FakeEngine().embed(TEXTS[:128]))
+            return host.facts()["device_process"]
+
+    child = asyncio.run(scenario())
+    assert child["batches"] == 8 and child["starved_batches"] <= 2
 
 
 def test_the_child_says_whether_its_device_loop_waited_for_batches_or_they_for_it() -> None:

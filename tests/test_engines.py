@@ -15,7 +15,7 @@ from engines.base import Batch, Engine, EngineError, EngineUnavailableError, Vec
 from engines.batcher import Batcher
 from engines.fake import FakeEngine
 from engines.registry import create_engine, engine_kinds
-from engines.tokenization import FastTokenizer, bucket_lengths
+from engines.tokenization import FastTokenizer, TokenizedTexts, bucket_lengths
 from engines.torch_engine import TorchEngine, default_model_path, model_files_digest
 
 # -- FakeEngine ------------------------------------------------------------------------------
@@ -274,9 +274,15 @@ def test_torch_sequence_lengths_follow_the_tokenizer(torch_engine: TorchEngine) 
     assert batch.seq_lengths.tolist()[1:] == [256, 2]
     static = TorchEngine(static_shapes=True, batch_buckets=(1, 8), seq_buckets=(16,))
     static.load()
-    bucketed = static.tokenize(["one two", "long " * 400, ""])
+    texts = ["one two", "long " * 400, ""]
+    bucketed = static.tokenize(texts)
     assert bucketed.seq_lengths is not None
     assert bucketed.seq_lengths.tolist() == [16, 256, 16]
+    fast = static.tokenizer()  # known before tokenizing for texts with its ids (the batcher's)
+    assert fast is not None and torch_engine.padded_lengths(texts) is None
+    known = static.padded_lengths(TokenizedTexts.of(texts, fast.ids(texts)))
+    assert known is not None and known.tolist() == [16, 256, 16]
+    assert static.padded_lengths(texts) is None  # plain texts: once tokenized
 
 
 @pytest.mark.model

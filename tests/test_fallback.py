@@ -9,11 +9,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 from fastapi.testclient import TestClient
 
@@ -133,6 +134,28 @@ def test_same_fingerprint_fallback_serves_misses_while_the_primary_is_down() -> 
         np.testing.assert_array_equal(first, fallback.embed(["a", "b"]))
         np.testing.assert_array_equal(second, fallback.embed(["c"]))
         assert (health.healthy, health.serving) == (False, "fallback")
+        engine.close()
+
+    asyncio.run(test())
+
+
+def test_padded_lengths_are_those_of_the_engine_expected_to_run_the_batch() -> None:
+    """What the batcher forms a batch within the token budget by: the primary's lengths
+    while it serves, the fallback's once it has tripped."""
+
+    class KnownLengths(FlakyEngine):
+        def padded_lengths(self, texts: Sequence[str]) -> npt.NDArray[np.int64]:
+            return np.full(len(texts), 7, np.int64)
+
+    async def test() -> None:
+        primary = KnownLengths()
+        engine = FallbackEngine(primary, FlakyEngine(), backoff_s=60, max_backoff_s=60)
+        known = engine.padded_lengths(["a", "b"])
+        assert known is not None and known.tolist() == [7, 7]
+        async with Batcher(engine) as batcher:
+            primary.broken = True
+            await batcher.submit(["a"])  # the primary fails, the fallback serves
+        assert engine.padded_lengths(["a", "b"]) is None  # the fallback's: once tokenized
         engine.close()
 
     asyncio.run(test())
