@@ -748,9 +748,24 @@ def batch_cost(texts: list[str]) -> int:
     return len(texts) * max(max(len(text.split()), 1) for text in texts)
 
 
-def test_no_forward_exceeds_the_token_budget_and_a_long_text_goes_alone() -> None:
+class KnownLengthsEngine(ThreadRecordingEngine):
+    """Says each text's padded length (its words, at least one) before tokenizing, as an
+    engine does for texts that come with its token ids."""
+
+    def padded_lengths(self, texts: Sequence[str]) -> npt.NDArray[np.int64]:
+        return np.array([max(len(text.split()), 1) for text in texts], dtype=np.int64)
+
+
+def budget_engine(known: bool, **options: Any) -> ThreadRecordingEngine:
+    """Lengths known when texts are queued (the batcher forms batches within the budget)
+    or only once tokenized (its engine thread cuts a batch over it into groups)."""
+    return KnownLengthsEngine(**options) if known else ThreadRecordingEngine(**options)
+
+
+@pytest.mark.parametrize("known", [False, True])
+def test_no_forward_exceeds_the_token_budget_and_a_long_text_goes_alone(known: bool) -> None:
     async def test() -> None:
-        engine = RecordingEngine()
+        engine = budget_engine(known)
         long = " ".join(f"w{i}" for i in range(20))
         texts = ["a b c", "d e f", "g h i", "j k l", "m n o", long, "p q"]
         async with Batcher(engine, max_batch_size=16, max_batch_tokens=12) as batcher:
@@ -761,76 +776,17 @@ def test_no_forward_exceeds_the_token_budget_and_a_long_text_goes_alone() -> Non
         np.testing.assert_array_equal(vectors, engine.expected(texts))
         assert stats.batches == engine.calls == 4
         assert stats.items == engine.items == len(texts)
+        # known: each batch tokenized once; else the whole, then each group again
+        assert len(engine.tokenized_on) == (4 if known else 5)
 
     run(test)
 
 
-def test_concurrent_submissions_respect_the_token_budget() -> None:
-    async def test() -> None:
-        rng = random.Random(3)
-        engine = RecordingEngine()
-        requests = [
-            [" ".join(["x"] * rng.randint(1, 9)) + f" r{i}-{j}" for j in range(rng.randint(1, 6))]
-            for i in range(40)
-        ]
-        async with Batcher(engine, max_batch_size=16, max_batch_tokens=40) as batcher:
-            results = await asyncio.gather(*(batcher.submit(texts) for texts in requests))
-        assert all(batch_cost(batch) <= 40 for batch in engine.batches)
-        for texts, vectors in zip(requests, results, strict=True):
-            np.testing.assert_array_equal(vectors, engine.expected(texts))
-
-    run(test)
-
-
-def test_a_batch_tokenized_ahead_respects_the_token_budget() -> None:
-    async def test() -> None:
-        engine = ThreadRecordingEngine(hold=True)
-        async with Batcher(engine, max_batch_size=4, max_batch_tokens=6) as batcher:
-            first = spawn(batcher.submit(["first"]))
-            await engine_busy(engine)
-            texts = ["a b c", "d e f", "g h i", "j k l"]  # 4 x 3 = 12 tokens: over the budget
-            full = spawn(batcher.submit(texts))
-            await until(lambda: len(engine.tokenized_on) == 2)  # tokenized ahead, whole
-            engine.release()
-            np.testing.assert_array_equal(await full, engine.expected(texts))
-            await first
-        assert engine.tokenized_on[1].startswith("tokenizer")
-        assert engine.batches == [["first"], ["a b c", "d e f"], ["g h i", "j k l"]]
-
-    run(test)
-
-
-class KnownLengthsEngine(ThreadRecordingEngine):
-    """Says each text's padded length (its words, at least one) before tokenizing, as an
-    engine does for texts that come with its token ids."""
-
-    def padded_lengths(self, texts: Sequence[str]) -> npt.NDArray[np.int64]:
-        return np.array([max(len(text.split()), 1) for text in texts], dtype=np.int64)
-
-
-def test_with_lengths_known_on_admission_batches_form_within_the_budget() -> None:
-    """Each batch is tokenized once (no group of it again on the engine thread), a long
-    text alone; the same vectors and counts as with lengths known only once tokenized."""
-
-    async def test() -> None:
-        engine = KnownLengthsEngine()
-        long = " ".join(f"w{i}" for i in range(20))
-        texts = ["a b c", "d e f", "g h i", "j k l", "m n o", long, "p q"]
-        async with Batcher(engine, max_batch_size=16, max_batch_tokens=12) as batcher:
-            vectors = await batcher.submit(texts)
-            stats = batcher.stats()
-        assert engine.batches == [["a b c", "d e f", "g h i", "j k l"], ["m n o"], [long], ["p q"]]
-        assert len(engine.tokenized_on) == engine.calls == stats.batches == 4
-        np.testing.assert_array_equal(vectors, engine.expected(texts))
-        assert stats.items == engine.items == len(texts)
-
-    run(test)
-
-
-def test_with_lengths_known_concurrent_submissions_form_batches_within_the_budget() -> None:
+@pytest.mark.parametrize("known", [False, True])
+def test_concurrent_submissions_respect_the_token_budget(known: bool) -> None:
     async def test() -> None:
         rng = random.Random(5)
-        engine = KnownLengthsEngine()
+        engine = budget_engine(known)
         requests = [  # some larger than a batch: their slices go to several
             [" ".join(["x"] * rng.randint(1, 9)) + f" r{i}-{j}" for j in range(size)]
             for i, size in enumerate(rng.choice([1, 2, 3, 6, 20]) for _ in range(60))
@@ -839,32 +795,37 @@ def test_with_lengths_known_concurrent_submissions_form_batches_within_the_budge
             results = await asyncio.gather(*(batcher.submit(texts) for texts in requests))
             stats = batcher.stats()
         assert all(batch_cost(batch) <= 40 for batch in engine.batches)
-        assert len(engine.tokenized_on) == engine.calls == stats.batches
         assert max(len(batch) for batch in engine.batches) > 4  # batches still fill up
+        assert engine.calls == stats.batches
+        if known:
+            assert len(engine.tokenized_on) == engine.calls  # each batch tokenized once
         for texts, vectors in zip(requests, results, strict=True):
             np.testing.assert_array_equal(vectors, engine.expected(texts))
 
     run(test)
 
 
-def test_with_lengths_known_a_batch_formed_ahead_is_within_the_budget() -> None:
-    """Formed ahead of the forward before it and tokenized there once: what a device child
-    receives at once (a batch over the budget was sent to it only group by group, when its
-    forward began)."""
+@pytest.mark.parametrize("known", [False, True])
+def test_a_batch_tokenized_ahead_respects_the_token_budget(known: bool) -> None:
+    """Known lengths: the batch formed ahead of the forward before it is within the budget,
+    tokenized there once, what a device child receives at once; else the whole batch is
+    tokenized ahead and its engine thread cuts it (each group sent to a device child only
+    when its forward begins)."""
 
     async def test() -> None:
-        engine = KnownLengthsEngine(hold=True)
+        engine = budget_engine(known, hold=True)
         async with Batcher(engine, max_batch_size=4, max_batch_tokens=6) as batcher:
             first = spawn(batcher.submit(["first"]))
             await engine_busy(engine)
             texts = ["a b c", "d e f", "g h i", "j k l"]  # 4 x 3 = 12 tokens: over the budget
             full = spawn(batcher.submit(texts))
-            await until(lambda: len(engine.tokenized_on) == 2)  # the first two, ahead
-            assert batcher.waiting_engine == 2 and batcher.queued == 4
+            await until(lambda: len(engine.tokenized_on) == 2)  # tokenized ahead
+            assert batcher.waiting_engine == (2 if known else 4) and batcher.queued == 4
             engine.release()
             np.testing.assert_array_equal(await full, engine.expected(texts))
             await first
-        assert engine.tokenized_on[1].startswith("tokenizer") and len(engine.tokenized_on) == 3
+        assert engine.tokenized_on[1].startswith("tokenizer")
+        assert len(engine.tokenized_on) == (3 if known else 4)
         assert engine.batches == [["first"], ["a b c", "d e f"], ["g h i", "j k l"]]
 
     run(test)
