@@ -52,11 +52,17 @@ REPO = Path(__file__).resolve().parents[1]
 def serve(run_dir: str, store: str, writer: str = "thread", model: str | None = None) -> None:
     """The engine process (``--serve``): ``engine_main`` of whichever checkout is first on
     PYTHONPATH, its fake engine free of cost and tokenizing like the torch engine (with
-    ``model``'s tokenizer, default the packaged model's)."""
+    ``model``'s tokenizer, default the packaged model's), and saying the padded lengths of
+    the ids it is sent in its buckets as the device child's engine does."""
     import numpy as np
 
     from engines.fake import FakeEngine
-    from engines.tokenization import FastTokenizer
+    from engines.tokenization import (
+        DEFAULT_SEQ_BUCKETS,
+        FastTokenizer,
+        TokenizedTexts,
+        bucket_lengths,
+    )
     from engines.torch_engine import default_model_path
     from proxy.processes import ChildSpec, engine_main
 
@@ -65,8 +71,14 @@ def serve(run_dir: str, store: str, writer: str = "thread", model: str | None = 
     def forward(self: FakeEngine, batch: Any) -> Any:
         return np.full((batch.size, self.dim), self.dim**-0.5, np.float32)
 
+    def padded_lengths(self: FakeEngine, texts: Any) -> Any:  # as the device child's engine
+        if not isinstance(texts, TokenizedTexts):
+            return None
+        return bucket_lengths(np.diff(texts.bounds), DEFAULT_SEQ_BUCKETS)
+
     FakeEngine.forward = forward  # type: ignore[method-assign]
     FakeEngine.tokenizer = lambda self: tokenizer  # type: ignore[method-assign]
+    FakeEngine.padded_lengths = padded_lengths  # type: ignore[method-assign]
     settings: dict[str, Any] = {"engine": "fake", "store": store, "data_dir": f"{run_dir}/data"}
     settings["lmdb_writer"] = writer
     settings |= {"device": "cpu", "max_batch_size": 256, "gpu_health_interval_s": 0}
