@@ -289,6 +289,7 @@ def measure_layout(
         runs: dict[str, list[dict[str, float]]] = {
             "hits": [], "probe": [], "health": [], "misses": [], "engine_cpu": [], "drain": []
         }  # fmt: skip
+        children_runs: list[dict[str, Any] | None] = []  # the device child over each miss run
         for run in range(args.runs):
             if not args.skip_hits:
                 probe = wrk.start("healthz.lua", url, 2, d, **gap)
@@ -301,9 +302,13 @@ def measure_layout(
             if run == 0:
                 before = server.metrics()
             with profiled(args, server, out / f"profile-misses-{workers}.txt", run == 0):
-                runs["misses"].append(
-                    wrk.run("misses.lua", url, c, d, FMT="base64", SALT=f"r{run}-")
-                )
+                load = wrk.start("misses.lua", url, c, d, FMT="base64", SALT=f"r{run}-")
+                # from a moment into the run: a batch's wait counts from the answer before
+                time.sleep(min(0.5, d / 4))
+                child = (time.monotonic(), server.stats()["inference"]["device_process"])
+                runs["misses"].append(wrk.result(load))
+            after = (time.monotonic(), server.stats()["inference"]["device_process"])
+            children_runs.append(device_child(child, after))
             runs["engine_cpu"].append(cpu.per_item())
             runs["drain"].append(written_back_after(server))
         row_stages = stage_means(before, server.metrics()) if args.runs else {}
@@ -319,6 +324,7 @@ def measure_layout(
         row["killed"] = killed
         row["twins"] = twins
         row["stages"] = row_stages
+        row["miss_device"] = children_runs
         cpu_runs = runs.pop("engine_cpu")
         row["drain_s"] = median(runs.pop("drain"))
         pids = [e["pid"] for e in stats["processes"]["engines"]]
@@ -1042,6 +1048,10 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
                 for r in staged
             ],
         )
+    for r in rows:
+        for run, device in enumerate(r.get("miss_device") or []):
+            if device:
+                print(f"miss run {run + 1} ({r['layout']}): {device_line(device)}")
     warm = [r for r in rows if "warmup" in r]
     if warm:
         columns = ["layout", "warm-up records", "features/s alone", "tokenizer alone texts/s"]
@@ -1117,7 +1127,7 @@ def device_line(device: dict[str, Any]) -> str:
     child's own loop is late."""
     span, n, s = device["span_s"], max(device["batches"], 1), device["seconds"]
     return (
-        f"the device child over {span:.2f} s of it ({device['batches']:,} batches): forward "
+        f"the device child over {span:.2f} s ({device['batches']:,} batches): forward "
         f"{s['forward']:.2f} s ({s['forward'] / span:.0%}); its loop waiting for a batch "
         f"{s['waiting']:.2f} s ({s['waiting'] / span:.0%}), in {device['starved']:,} of the "
         f"batches; padded batches waiting for the loop {s['queued'] * 1e3 / n:.2f} ms a "
