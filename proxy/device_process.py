@@ -267,13 +267,13 @@ class DeviceProcessEngine(Engine):
         before; not a batch over ``max_batch_tokens``, which the batcher runs in groups."""
         if self._fast is None:
             batch = Batch(len(texts), 0, {"texts": texts})
+            padded = np.full(len(texts), self.info.max_seq_length, np.int64)
         else:
             if not isinstance(texts, TokenizedTexts):
                 texts = TokenizedTexts.of(texts, self._fast.ids(texts, cached=False))
             counts = np.diff(texts.bounds)
-            batch = Batch(len(texts), int(counts.sum()), {"texts": texts}, self._padded(counts))
-        padded = self.padded_lengths(texts)
-        assert padded is not None  # texts with this tokenizer's ids, or no tokenizer
+            padded = self._padded(counts)
+            batch = Batch(len(texts), int(counts.sum()), {"texts": texts}, padded)
         if len(budget_groups(padded, self.max_batch_tokens)) == 1:
             with contextlib.suppress(EngineUnavailableError):  # forward tries again, says so
                 batch.data["ticket"] = self._send(texts)
