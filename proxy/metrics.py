@@ -115,6 +115,7 @@ class StatsCollector(Collector):
             yield cls(name, doc, value=value_of(stats))
         yield from labelled_families(stats)
         yield from device_families(stats["inference"]["devices"])
+        yield from device_child_families(stats["inference"]["device_process"])
         yield from histogram_families(snap.totals)
         info = InfoMetricFamily("fleetcache_engine", "The engine serving misses.")
         info.add_metric([], {k: str(v) for k, v in asdict(self.services.info).items()})
@@ -212,6 +213,30 @@ def device_families(devices: list[dict[str, Any]]) -> Iterator[Family]:
         for index, device in enumerate(devices):
             family.add_metric([device["device"], str(index)], float(device[key]))
         yield family
+
+
+def device_child_families(child: dict[str, Any] | None) -> Iterator[Family]:
+    """How the device child (``FLEETCACHE_DEVICE_PROCESS``) spent the batches it answered;
+    nothing where the device runs in the engine process. The share of the time it spent in
+    forwards: ``rate(fleetcache_device_child_seconds_total{phase="forward"}[1m])``."""
+    if child is None:
+        return
+    seconds = CounterMetricFamily(
+        "fleetcache_device_child_seconds",
+        "The device child's time over its batches: forward (with postprocessing), waiting "
+        "(its device loop with nothing padded to run), queued (padded batches waiting for "
+        "that loop), padding (its other thread).",
+        labels=["phase"],
+    )
+    for phase, value in child["seconds"].items():
+        seconds.add_metric([phase], value)
+    yield seconds
+    for key, doc in (
+        ("batches", "Batches the device child answered with rows."),
+        ("starved_batches", "Of those, the batches its device loop found nothing padded for: "
+         "the engine process sent them late."),
+    ):  # fmt: skip
+        yield CounterMetricFamily(f"fleetcache_device_child_{key}", doc, value=child[key])
 
 
 def histogram_families(totals: Totals) -> Iterator[Family]:

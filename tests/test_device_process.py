@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import threading
 import time
@@ -13,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 
@@ -292,3 +294,9 @@ def test_the_server_serves_on_while_its_device_child_is_replaced(tmp_path: Path)
         shown = stats["inference"]["device_process"]
         assert shown["ok"] and shown["starts"] == 2 and shown["pid"] not in (None, child)
         assert stats["inference"]["items"] == stats["cache"]["misses"] == 32
+        metrics = httpx.get(f"{server.url}/metrics").text  # how the children spent their batches
+        assert re.search(r"^fleetcache_device_child_batches_total [1-9]", metrics, re.M)
+        assert re.search(
+            r'^fleetcache_device_child_seconds_total\{phase="forward"\} ', metrics, re.M
+        )
+        assert "fleetcache_device_child_starved_batches_total" in metrics
