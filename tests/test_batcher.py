@@ -377,14 +377,20 @@ def test_stats_count_exactly_what_reached_the_engine() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_random_mix_of_lanes_sizes_failures_and_cancellations_resolves_everything() -> None:
+@pytest.mark.parametrize("known", [False, True])
+def test_random_mix_of_lanes_sizes_failures_and_cancellations_resolves_everything(
+    known: bool,
+) -> None:
+    """Without a token budget, and with one and lengths known when queued (batches formed
+    within it: each one forward, so the engine counts what the batcher took)."""
+
     async def test() -> None:
         rng = random.Random(7)
-        engine = RecordingEngine(fail_on="boom")
+        engine = budget_engine(known, fail_on="boom")
         outcomes: dict[str, int] = {"ok": 0, "error": 0, "cancelled": 0}
 
         async def client(i: int) -> None:
-            texts = [f"c{i}-{j}" for j in range(rng.randint(1, 40))]
+            texts = [f"c{i}-{j}" + " x" * rng.randint(0, 7) for j in range(rng.randint(1, 40))]
             if rng.random() < 0.1:
                 texts[rng.randrange(len(texts))] = "boom"
             task = spawn(batcher.submit(texts, lane=rng.choice(["dispatch", "warmup"])))
@@ -401,12 +407,17 @@ def test_random_mix_of_lanes_sizes_failures_and_cancellations_resolves_everythin
                 np.testing.assert_array_equal(vectors, engine.expected(texts))
                 outcomes["ok"] += 1
 
-        async with Batcher(engine, max_batch_size=16, max_delay_ms=0.5) as batcher:
+        budget = 40 if known else None
+        async with Batcher(
+            engine, max_batch_size=16, max_delay_ms=0.5, max_batch_tokens=budget
+        ) as batcher:
             await asyncio.wait_for(asyncio.gather(*(client(i) for i in range(200))), 60)
             assert batcher.queued == 0
             assert batcher.stats().items == engine.items
         assert sum(outcomes.values()) == 200
-        assert outcomes["ok"] > 0
+        assert outcomes["ok"] > 0 and outcomes["error"] > 0 and outcomes["cancelled"] > 0
+        if known:
+            assert all(batch_cost(batch) <= 40 for batch in engine.batches)
 
     run(test)
 
@@ -419,6 +430,20 @@ class ThreadRecordingEngine(RecordingEngine):
     def tokenize(self, texts: Any) -> Batch:
         self.tokenized_on.append(threading.current_thread().name)
         return super().tokenize(texts)
+
+
+class KnownLengthsEngine(ThreadRecordingEngine):
+    """Says each text's padded length (its words, at least one) before tokenizing, as an
+    engine does for texts that come with its token ids."""
+
+    def padded_lengths(self, texts: Sequence[str]) -> npt.NDArray[np.int64]:
+        return np.array([max(len(text.split()), 1) for text in texts], dtype=np.int64)
+
+
+def budget_engine(known: bool, **options: Any) -> ThreadRecordingEngine:
+    """Lengths known when texts are queued (the batcher forms batches within the budget)
+    or only once tokenized (its engine thread cuts a batch over it into groups)."""
+    return KnownLengthsEngine(**options) if known else ThreadRecordingEngine(**options)
 
 
 def test_full_dispatch_batch_is_tokenized_ahead_while_the_engine_is_busy() -> None:
@@ -746,20 +771,6 @@ def test_lane_priority_and_queue_limit_hold_with_deadlines() -> None:
 def batch_cost(texts: list[str]) -> int:
     """What the fake engine's batch costs: size x the longest text in words (at least 1)."""
     return len(texts) * max(max(len(text.split()), 1) for text in texts)
-
-
-class KnownLengthsEngine(ThreadRecordingEngine):
-    """Says each text's padded length (its words, at least one) before tokenizing, as an
-    engine does for texts that come with its token ids."""
-
-    def padded_lengths(self, texts: Sequence[str]) -> npt.NDArray[np.int64]:
-        return np.array([max(len(text.split()), 1) for text in texts], dtype=np.int64)
-
-
-def budget_engine(known: bool, **options: Any) -> ThreadRecordingEngine:
-    """Lengths known when texts are queued (the batcher forms batches within the budget)
-    or only once tokenized (its engine thread cuts a batch over it into groups)."""
-    return KnownLengthsEngine(**options) if known else ThreadRecordingEngine(**options)
 
 
 @pytest.mark.parametrize("known", [False, True])
