@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,6 +20,19 @@ from engines.tokenization import FastTokenizer, TokenizedTexts, bucket_lengths
 from engines.torch_engine import TorchEngine, default_model_path, model_files_digest
 
 # -- FakeEngine ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "wrapper", ["engines.fallback.FallbackEngine", "proxy.telemetry.StageTimingEngine"]
+)
+def test_an_engine_wrapper_passes_every_hook_of_the_interface_on(wrapper: str) -> None:
+    """A hook a wrapper leaves to ``Engine``'s default answers for the wrapper, not for the
+    engine inside: so the timing wrapper hid ``padded_lengths`` from the batcher, which then
+    cut batches a device child could have had ahead. ``embed`` is made of the others."""
+    module, name = wrapper.rsplit(".", 1)
+    wrapping = vars(getattr(importlib.import_module(module), name))
+    hooks = {n for n, v in vars(Engine).items() if callable(v) and not n.startswith("_")}
+    assert hooks - {"embed"} <= set(wrapping), hooks - {"embed"} - set(wrapping)
 
 
 def test_fake_vectors_are_deterministic_unit_float32() -> None:
