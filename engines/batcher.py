@@ -502,7 +502,7 @@ class Batcher:
     def _take(self, lanes: Sequence[str] = LANES) -> list[_Slice]:
         """Up to max_batch_size queued items of ``lanes``, dispatch lane first, in submission
         order; within ``max_batch_tokens`` where their padded lengths are known (``_fit``)."""
-        room = self.max_batch_size
+        room, budget = self.max_batch_size, self.max_batch_tokens
         batch: list[_Slice] = []
         longest = 0  # the longest known padded length in the batch
         for lane in lanes:
@@ -513,7 +513,6 @@ class Batcher:
                     self._drop(request)
                 if request.waiting:
                     count, full = min(room, request.waiting), False
-                    budget = self.max_batch_tokens
                     if request.lengths is not None and budget is not None:
                         size = self.max_batch_size - room
                         if (size + count) * max(longest, request.longest) <= budget:
