@@ -234,7 +234,9 @@ def _error(type: str, message: str) -> bytes:
 def route_rows(app: FastAPI) -> list[tuple[APIRoute, str]]:
     """Each route with its ``SCOPES`` row; a route without one is an error (fail closed)."""
     routes = [r for r in app_routes(app) if isinstance(r, APIRoute)]
-    rows = [(r, f"{m} {r.path}") for r in routes for m in sorted((r.methods or set()) - {"HEAD"})]
+    rows = [
+        (r, f"{m} {r.path_format}") for r in routes for m in sorted((r.methods or set()) - {"HEAD"})
+    ]
     missing = [row for _, row in rows if row not in SCOPES]
     if missing:
         raise RuntimeError(f"routes without a row in proxy.auth.SCOPES: {missing}")

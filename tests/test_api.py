@@ -10,6 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import numpy as np
@@ -191,6 +192,26 @@ def test_fleet_crud_and_patch_never_calls_the_engine(
     assert client.delete(f"/v1/fleet/drivers/{target}").status_code == 200
     assert_error(client.get(f"/v1/fleet/drivers/{target}"), 404)
     assert_error(client.delete(f"/v1/fleet/drivers/{target}"), 404)
+
+
+@pytest.mark.parametrize("driver_id", ["depot/7", "a/../b", "D 1?x=2#y", "100%", "/lead"])
+def test_any_id_a_put_accepts_is_reachable_by_its_percent_encoded_path(
+    client: TestClient, driver_id: str
+) -> None:
+    """An id with a slash (or anything a URL escapes) is a valid Identifier: once upserted
+    it is read, patched and deleted through its own path, as RFC 3986 escapes it."""
+    record = generate_fleet(1, seed=8)[0].model_dump(mode="json") | {"driver_id": driver_id}
+    assert client.put("/v1/fleet/drivers", json={"drivers": [record]}).status_code == 200
+    path = f"/v1/fleet/drivers/{quote(driver_id, safe='')}"
+    got = client.get(path)
+    assert got.status_code == 200, got.text
+    assert got.json()["driver_id"] == driver_id
+    patched = client.patch(path, json={"status": "offline"})
+    assert patched.status_code == 200, patched.text
+    assert client.get(path).json()["status"] == "offline"
+    assert client.delete(path).json() == {"deleted": driver_id}
+    assert_error(client.get(path), 404)
+    assert client.get("/v1/stats").json()["fleet"]["drivers"] == 0
 
 
 def test_health_ready_and_metrics(client: TestClient) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 from fastapi.testclient import TestClient
@@ -80,6 +81,18 @@ def test_delete_drops_the_vector_and_the_next_embed_computes_it_again(
     )
     second = admin_client.delete(f"/v1/cache/entities/driver/{d2['driver_id']}", headers=ADMIN)
     assert second.status_code == 404  # the link went with the vector
+
+
+def test_an_id_with_a_slash_is_forgotten_through_its_percent_encoded_path(
+    admin_client: TestClient,
+) -> None:
+    (driver,) = generate_fleet(1, seed=13)
+    record = driver_json(driver) | {"driver_id": "depot/7"}
+    assert embed(admin_client, [record])["misses"] == 1
+    path = f"/v1/cache/entities/driver/{quote('depot/7', safe='')}"
+    response = admin_client.delete(path, headers=ADMIN)
+    assert response.json() == {"entity": "driver", "id": "depot/7", "deleted": 1}
+    assert text_misses(admin_client, driver_text(driver)) == 1
 
 
 def test_vehicles_are_linked_too(admin_client: TestClient) -> None:

@@ -25,7 +25,7 @@ router = APIRouter(tags=["cache"], route_class=JSONRoute, responses=API_ERRORS)
 EntityKind = Literal["driver", "vehicle"]
 
 
-@router.delete("/v1/cache/entities/{kind}/{entity_id}")
+@router.delete("/v1/cache/entities/{kind}/{entity_id:path}")
 async def forget_entity(kind: EntityKind, entity_id: str, services: ServicesDep) -> dict[str, Any]:
     """Drop the entity's cached vector from every tier; its next embed is a miss."""
     try:

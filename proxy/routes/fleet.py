@@ -81,7 +81,7 @@ async def upsert_drivers(body: UpsertRequest, services: ServicesDep, caller: Cal
     return FastJSONResponse({"upserted": upserted, "embedded": result.misses}, headers=headers)
 
 
-@router.get("/v1/fleet/drivers/{driver_id}")
+@router.get("/v1/fleet/drivers/{driver_id:path}")
 async def get_driver(driver_id: str, services: ServicesDep) -> dict[str, Any]:
     record = await services.index.get_driver(driver_id)
     if record is None:
@@ -89,7 +89,7 @@ async def get_driver(driver_id: str, services: ServicesDep) -> dict[str, Any]:
     return record_json(record)
 
 
-@router.patch("/v1/fleet/drivers/{driver_id}")
+@router.patch("/v1/fleet/drivers/{driver_id:path}")
 async def patch_driver(driver_id: str, body: DriverPatch, services: ServicesDep) -> dict[str, Any]:
     if body.position is None and body.status is None:
         raise APIError(422, "send position, status or both", param="position")
@@ -100,7 +100,7 @@ async def patch_driver(driver_id: str, body: DriverPatch, services: ServicesDep)
     return record_json(record)
 
 
-@router.delete("/v1/fleet/drivers/{driver_id}")
+@router.delete("/v1/fleet/drivers/{driver_id:path}")
 async def delete_driver(driver_id: str, services: ServicesDep) -> dict[str, Any]:
     if not await services.delete_driver(driver_id):
         raise unknown_driver(driver_id)
