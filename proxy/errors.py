@@ -5,7 +5,8 @@
 Exceptions translated here, one handler per family::
 
     APIError                        raised by our routes: status, type, message, param
-    RequestValidationError          pydantic/FastAPI: 422 (400 for malformed JSON), param = field
+    RequestValidationError          pydantic/FastAPI: 422 (400 for malformed JSON), param = field;
+                                    415 for a body sent as another media type (a form)
     StarletteHTTPException          unknown path 404, wrong method 405, ...
      +-- proxy.body.BodyError       a body refused at the edge: 400 invalid_json, or 422 for a
                                     string that is not valid Unicode (param = its path)
@@ -93,7 +94,17 @@ def _validation(request: Request, exc: Exception) -> JSONResponse:
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     if first.get("type") == "json_invalid":
         return error_response(400, f"malformed JSON: {first.get('msg')}", type="invalid_json")
-    param = field_path(first.get("loc", ())) or None
+    loc = tuple(first.get("loc", ()))
+    if loc == ("body",):  # the body is no JSON object
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media != "application/json" and not media.endswith("+json"):
+            got = f"got '{media}'" if media else "no Content-Type was sent"
+            return error_response(
+                415,
+                f"send the body as JSON with 'Content-Type: application/json' ({got})",
+                type="invalid_request_error",
+            )
+    param = field_path(loc) or ("body" if loc == ("body",) else None)
     message = "; ".join(
         f"{field_path(e.get('loc', ())) or 'body'}: {e.get('msg')}" for e in errors[:5]
     )
@@ -232,6 +243,7 @@ _ERROR_MEANING = {
     403: "The key lacks the scope, or the route is disabled (permission_error).",
     404: "Unknown resource (not_found).",
     413: "Over a request limit (body, texts, records, queue).",
+    415: "A body sent without 'Content-Type: application/json'.",
     422: "Invalid input; param names the field.",
     429: "This worker or the inference queue is full; retry after Retry-After.",
     503: "Not ready, or the engine or the fleet index is unavailable; retry after Retry-After.",
@@ -245,4 +257,4 @@ def documented_errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     }
 
 
-API_ERRORS = documented_errors(400, 401, 403, 404, 413, 422, 429, 503)
+API_ERRORS = documented_errors(400, 401, 403, 404, 413, 415, 422, 429, 503)

@@ -156,6 +156,35 @@ def test_every_malformed_body_is_one_kind_of_error(
     assert response.json()["error"]["type"] == "invalid_json", what
 
 
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain"])
+def test_a_json_body_sent_under_another_media_type_is_a_415_saying_which(
+    client: TestClient, fake_engine: FakeEngine, content_type: str
+) -> None:
+    """``curl -d`` without ``-H 'Content-Type: application/json'`` sends a form: the answer
+    says what to send instead of "Input should be a valid dictionary" with no field."""
+    items = fake_engine.items
+    response = client.post(
+        "/v1/embeddings", content=b'{"input": ["a"]}', headers={"content-type": content_type}
+    )
+    assert response.status_code == 415, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert "Content-Type: application/json" in error["message"]
+    assert content_type in error["message"]
+    assert fake_engine.items == items
+    # nor is a body without any Content-Type read as JSON (FastAPI's strict content type: a
+    # browser's form cannot pass for a JSON call)
+    bare = client.post("/v1/embeddings", content=b'{"input": ["a"]}')
+    assert bare.status_code == 415, bare.text
+    assert "no Content-Type was sent" in bare.json()["error"]["message"]
+
+
+def test_a_json_body_that_is_not_an_object_names_the_body(client: TestClient) -> None:
+    response = client.post("/v1/embeddings", json=["a"])
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["param"] == "body"
+
+
 def test_valid_non_ascii_text_is_served(client: TestClient) -> None:
     """Only invalid strings are refused: emoji (a surrogate pair escaped) and CJK pass."""
     body = json.dumps({"input": ["冷藏车 \ud83d\ude9a", "électrique"]})
