@@ -155,7 +155,7 @@ async def run_services(
             opened_event.set()
             try:
                 if cluster is None and not services.index.ready:
-                    await load_demo_fleet(services, settings.demo_drivers, settings.demo_seed)
+                    await load_demo_fleet(services, settings)
                 with frozen_heap() if freeze_gc else contextlib.nullcontext():
                     async with background_checks(services, settings.drift_interval_s):
                         await stop.wait()

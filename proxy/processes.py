@@ -34,6 +34,7 @@ from typing import Any
 
 from engines.base import EngineInfo
 from features.synthetic import generate_fleet
+from indexes.snapshot import fsync_path, write_durably
 from proxy.board import Board
 from proxy.engine_host import (
     build_engine,
@@ -255,7 +256,22 @@ def worker_main(spec: ChildSpec, host: str, port: int, serve_at_once: bool) -> N
 # -- the demo fleet ------------------------------------------------------------------------
 
 
-async def load_demo_fleet(services: Services, n: int, seed: int) -> None:
+# Beside the index's snapshots: which demo fleet this index was given (JSON).
+DEMO_MARK = "demo-fleet.json"
+
+
+async def load_demo_fleet(services: Services, settings: Settings) -> None:
+    """Index ``FLEETCACHE_DEMO_DRIVERS`` synthetic drivers once per index, then say the index
+    is ready. A later start, or the index owner's restart, finds them in the index with every
+    change acknowledged since (a driver deleted stays deleted), and only marks it ready; a
+    demo fleet of another size or seed is loaded over it."""
+    n, seed = settings.demo_drivers, settings.demo_seed
+    mark, wanted = settings.index_dir / DEMO_MARK, {"drivers": n, "seed": seed}
+    with contextlib.suppress(OSError, ValueError):
+        if json.loads(mark.read_bytes()) == wanted:
+            log.info("demo fleet: loaded into this index before, kept as it is now")
+            await services.index.set_ready()
+            return
     drivers = await asyncio.to_thread(generate_fleet, n, seed)
     embedded = 0
     for start in range(0, n, DEMO_CHUNK):
@@ -267,7 +283,17 @@ async def load_demo_fleet(services: Services, n: int, seed: int) -> None:
             n,
             embedded,
         )
+    # every upsert above is in the index's change log (flushed) before its call returned
+    await asyncio.to_thread(_mark_demo, mark, json.dumps(wanted).encode())
     await services.index.set_ready()
+
+
+def _mark_demo(mark: Path, content: bytes) -> None:
+    mark.parent.mkdir(parents=True, exist_ok=True)
+    tmp = mark.with_suffix(".tmp")
+    write_durably(tmp, content)
+    os.replace(tmp, mark)
+    fsync_path(mark.parent)
 
 
 def demo_main(spec: ChildSpec) -> None:
@@ -281,4 +307,4 @@ async def _demo(spec: ChildSpec) -> None:
         while waiting := await services.wait_answering(60.0):
             log.info("demo fleet: waiting for the %s process", " and the ".join(waiting))
         if not services.index.ready:
-            await load_demo_fleet(services, settings.demo_drivers, settings.demo_seed)
+            await load_demo_fleet(services, settings)

@@ -13,7 +13,8 @@ While running: a process that exits is started again (its slot's restart count g
 in ``/v1/stats`` ``processes``); one that keeps dying right after it starts waits longer each
 time, up to ``MAX_BACKOFF_S``. With the engine down the workers still serve hits and answer
 misses with 503; with the index down, fleet and dispatch calls get 503; both come back by
-themselves. The demo job runs again whenever the index owner restarts.
+themselves. The demo job runs again whenever the index owner restarts (it marks the index
+ready; it loads the demo fleet into an index only once, ``load_demo_fleet``).
 
 Health port (``FLEETCACHE_HEALTH_PORT``): the supervisor itself answers ``GET /healthz`` there,
 200 while it holds live workers and is not stopping, 503 otherwise. A worker answers its own

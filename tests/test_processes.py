@@ -297,6 +297,34 @@ def test_hits_are_served_while_the_engine_process_is_down(tmp_path: Path) -> Non
         assert stats["inference"]["items"] == stats["cache"]["misses"]
 
 
+def test_changes_to_the_demo_fleet_outlive_an_index_restart_and_a_new_server(
+    tmp_path: Path,
+) -> None:
+    """The demo fleet is loaded into an index once: the index owner's restart (kill -9) and
+    a later server keep every acknowledged change made to its drivers since."""
+
+    def changed(server: FleetcacheServer) -> None:
+        assert httpx.get(f"{server.url}/v1/fleet/drivers/D000003").status_code == 404
+        got = httpx.get(f"{server.url}/v1/fleet/drivers/D000002").json()
+        assert got["status"] == "offline", got
+        assert server.stats()["fleet"]["drivers"] == 19
+
+    with FleetcacheServer(tmp_path, workers=1, demo_drivers=20) as server:
+        assert httpx.delete(f"{server.url}/v1/fleet/drivers/D000003").status_code == 200
+        patch = httpx.patch(f"{server.url}/v1/fleet/drivers/D000002", json={"status": "offline"})
+        assert patch.status_code == 200, patch.text
+        index_pid = server.pids()["index"]["pid"]
+        os.kill(index_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while server.pids()["index"]["pid"] == index_pid:
+            assert time.monotonic() < deadline, "the index owner was not restarted"
+            time.sleep(0.2)
+        server.wait_ready()
+        changed(server)
+    with FleetcacheServer(tmp_path, workers=1, demo_drivers=20) as again:
+        changed(again)
+
+
 def test_sigterm_finishes_requests_in_flight_and_keeps_the_fleet(tmp_path: Path) -> None:
     server = FleetcacheServer(tmp_path, workers=1, fake_delay_ms=1500, demo_drivers=50).start()
     outcome: list[httpx.Response] = []
