@@ -32,6 +32,7 @@ from proxy.errors import install_error_handlers
 from proxy.jobs import ProcessJobs
 from proxy.processes import frozen_heap, load_demo_fleet
 from proxy.routes import cache, dispatch, embeddings, features, fleet, ops, warmup
+from proxy.routes.warmup import JSONL_TYPES
 from proxy.services import Cluster, Services, open_local_services, open_worker_services
 from proxy.settings import Settings
 from proxy.warmup import WarmupJobs
@@ -52,6 +53,10 @@ class Admission:
     - bodies over ``settings.max_body_mb`` (warm-up uploads: ``max_upload_mb``) are a 413,
       before a byte is read when the request says its length, else as soon as the count
       passes the limit (``BodyError`` from ``receive``: the route never sees the rest);
+    - a body must arrive whole within ``settings.body_timeout_s`` of the request (a warm-up
+      upload, which may be large and slow: with no pause that long), else a 408 that closes
+      the connection: a client sending part of a body, or a byte now and then, held its
+      admission for as long as it liked, and a few such clients left every other at 429;
     - after every request the worker's counters are published to its board."""
 
     def __init__(self, app: ASGIApp, limit: int, fastapi: FastAPI) -> None:
@@ -63,11 +68,14 @@ class Admission:
             "rate_limit_error", f"this worker holds {limit} requests already; retry shortly"
         )
 
-    def _body_limit(self, scope: Scope) -> tuple[int, str]:
+    def _body_limit(self, scope: Scope) -> tuple[int, str, bool]:
+        """The body's limit in bytes, its setting, and whether it is an upload."""
         settings = self.fastapi.state.settings
         if scope["method"] == "POST" and scope["path"] == "/v1/warmup":
-            return int(settings.max_upload_mb * 2**20), "FLEETCACHE_MAX_UPLOAD_MB"
-        return int(settings.max_body_mb * 2**20), "FLEETCACHE_MAX_BODY_MB"
+            media = next((v for k, v in scope["headers"] if k == b"content-type"), b"")
+            if media.split(b";")[0].strip().decode("latin-1").lower() in JSONL_TYPES:
+                return int(settings.max_upload_mb * 2**20), "FLEETCACHE_MAX_UPLOAD_MB", True
+        return int(settings.max_body_mb * 2**20), "FLEETCACHE_MAX_BODY_MB", False
 
     @staticmethod
     async def _answer(send: Send, status: int, body: bytes, *headers: tuple[bytes, bytes]) -> None:
@@ -85,21 +93,40 @@ class Admission:
         await send({"type": "http.response.body", "body": body})
 
     def _limited(self, scope: Scope, receive: Receive) -> Receive | bytes:
-        """``receive`` counting the body against its limit, or the 413 to answer at once."""
-        limit, setting = self._body_limit(scope)
+        """``receive`` counting the body against its limit and timing it, or the 413 to
+        answer at once."""
+        limit, setting, upload = self._body_limit(scope)
         message = f"the request body is over {limit / 2**20:g} MB ({setting})"
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > limit:
                 return _error_body("invalid_request_error", message)
-        seen = 0
+        timeout_s = self.fastapi.state.settings.body_timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        seen, whole = 0, False
 
         async def counted() -> Message:
-            nonlocal seen
-            incoming = await receive()
+            nonlocal seen, whole, deadline
+            if whole:  # after the body: the disconnect, whenever it comes
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    incoming = await receive()
+            except TimeoutError:
+                raise BodyError(
+                    408,
+                    "request_timeout",
+                    f"the request body did not arrive within {timeout_s:g} s"
+                    f"{' of its last piece' if upload else ''} (FLEETCACHE_BODY_TIMEOUT_S)",
+                    headers={"Connection": "close"},
+                ) from None
             if incoming["type"] == "http.request":
                 seen += len(incoming.get("body", b""))
                 if seen > limit:
                     raise BodyError(413, "invalid_request_error", message)
+                whole = not incoming.get("more_body", False)
+                if upload:
+                    deadline = loop.time() + timeout_s
             return incoming
 
         return counted

@@ -28,8 +28,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 class BodyError(StarletteHTTPException):
     """A body refused before validation; FastAPI re-raises HTTP exceptions from ``json()``."""
 
-    def __init__(self, status: int, type: str, message: str, param: str | None = None) -> None:
-        super().__init__(status, message)
+    def __init__(
+        self,
+        status: int,
+        type: str,
+        message: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(status, message, headers)
         self.type = type
         self.message = message
         self.param = param

@@ -9,7 +9,8 @@ Exceptions translated here, one handler per family::
                                     415 for a body sent as another media type (a form)
     StarletteHTTPException          unknown path 404, wrong method 405, ...
      +-- proxy.body.BodyError       a body refused at the edge: 400 invalid_json, or 422 for a
-                                    string that is not valid Unicode (param = its path)
+                                    string that is not valid Unicode (param = its path), 413
+                                    over its size limit, 408 not arrived in time
     features UnknownConstraintError 422, param "constraints", lists the known ones
     engines TooLargeError           413 (more new texts than the queue can ever hold)
     engines QueueFullError          429 (retry later)
@@ -148,7 +149,9 @@ def allowed_methods(request: Request) -> str:
 def _http(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     if isinstance(exc, BodyError):
-        return error_response(exc.status_code, exc.message, type=exc.type, param=exc.param)
+        return error_response(
+            exc.status_code, exc.message, type=exc.type, param=exc.param, headers=exc.headers
+        )
     kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
     headers = exc.headers
     if exc.status_code == 405:
@@ -239,6 +242,7 @@ class ErrorBody(BaseModel):
 
 _ERROR_MEANING = {
     400: "Malformed JSON (invalid_json).",
+    408: "The body did not arrive within FLEETCACHE_BODY_TIMEOUT_S (request_timeout).",
     401: "No or unknown key (authentication_error).",
     403: "The key lacks the scope, or the route is disabled (permission_error).",
     404: "Unknown resource (not_found).",
@@ -257,4 +261,4 @@ def documented_errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     }
 
 
-API_ERRORS = documented_errors(400, 401, 403, 404, 413, 415, 422, 429, 503)
+API_ERRORS = documented_errors(400, 401, 403, 404, 408, 413, 415, 422, 429, 503)

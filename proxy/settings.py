@@ -130,6 +130,9 @@ class Settings(BaseSettings):
     max_text_chars: int = Field(20_000, ge=1, description="one text's length (413 above)")
     max_body_mb: float = Field(16.0, gt=0.0, description="a request body (413 above)")
     max_upload_mb: float = Field(512.0, gt=0.0, description="a warm-up upload body")
+    body_timeout_s: float = Field(
+        30.0, gt=0.0, description="a body arrives whole within it (uploads: no longer pause)"
+    )
     max_rejects: int = Field(10_000, ge=0, description="lines kept in a job's rejects file")
     health_port: int | None = Field(
         None, ge=1, le=65535, description="the supervisor's own /healthz (liveness under load)"

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import gc
 import json
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -248,6 +250,48 @@ def test_the_cli_server_freezes_the_heap_while_it_serves(tmp_path: Path) -> None
         assert gc.get_freeze_count() > 1000
         assert client.post("/v1/embeddings", json={"input": ["a"]}).status_code == 200
     assert gc.get_freeze_count() == 0  # undone on shutdown
+
+
+def test_a_body_that_stops_arriving_is_a_408_that_frees_its_admission(tmp_path: Path) -> None:
+    """A client that sends its headers and part of its body, then nothing, held one of the
+    worker's admissions for as long as it kept the connection: a few such clients kept every
+    other request at 429. Its body must arrive within FLEETCACHE_BODY_TIMEOUT_S."""
+    settings = make_settings(tmp_path / "data", max_inflight_requests=1, body_timeout_s=0.5)
+    app = create_app(settings, engine=FakeEngine())
+    with LiveServer(app) as server:
+        while httpx.get(f"{server.url}/readyz").status_code != 200:
+            time.sleep(0.02)
+        with socket.create_connection(("127.0.0.1", server.port)) as stalled:
+            stalled.sendall(
+                b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                b"\r\nContent-Length: 100\r\n\r\n" + b'{"inp'
+            )
+            time.sleep(0.2)  # admitted, its body awaited
+            held = httpx.post(f"{server.url}/v1/embeddings", json={"input": ["x"]})
+            assert held.status_code == 429  # the one admission is the stalled client's
+            stalled.settimeout(5)
+            started = time.perf_counter()
+            answer = stalled.recv(4096)
+            assert time.perf_counter() - started < 2
+            assert answer.startswith(b"HTTP/1.1 408"), answer
+            assert b'"type":"request_timeout"' in answer and b"FLEETCACHE_BODY_TIMEOUT_S" in answer
+            assert b"connection: close" in answer.lower()
+        after = httpx.post(f"{server.url}/v1/embeddings", json={"input": ["x"]})
+        assert after.status_code == 200, after.text
+        # a body that keeps coming within the timeout of each piece but not of the whole
+        with socket.create_connection(("127.0.0.1", server.port)) as dripping:
+            dripping.sendall(
+                b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                b"\r\nContent-Length: 100\r\n\r\n"
+            )
+            dripping.settimeout(0.2)
+            started, answer = time.perf_counter(), b""
+            while not answer and time.perf_counter() - started < 3:
+                with contextlib.suppress(TimeoutError):
+                    dripping.sendall(b" ")
+                    answer = dripping.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 408"), answer
+            assert time.perf_counter() - started < 1.5
 
 
 def test_a_worker_admits_at_most_its_limit_and_answers_429_above_it(tmp_path: Path) -> None:

@@ -294,6 +294,10 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(tmp_path: Path) -> N
         assert upload.status_code == 413
         assert "FLEETCACHE_MAX_UPLOAD_MB" in upload.json()["error"]["message"]
         assert not list((settings.data_dir / "warmup").glob("upload-*"))  # nothing left behind
+        # a warm-up started by a JSON body is no upload: the body's own limit holds
+        named = client.post("/v1/warmup", json={"path": "fleet.jsonl", "pad": "y" * 15_000})
+        assert named.status_code == 413, named.text
+        assert "FLEETCACHE_MAX_BODY_MB" in named.json()["error"]["message"]
         assert client.get("/v1/stats").status_code == 200
 
 

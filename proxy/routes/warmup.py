@@ -103,7 +103,7 @@ async def save_upload(request: Request, upload: Path) -> None:
     },
 )
 async def start_warmup(request: Request, services: ServicesDep, jobs: JobsDep) -> dict[str, Any]:
-    content_type = request.headers.get("content-type", "").split(";")[0].strip()
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type in JSONL_TYPES:
         upload = services.settings.data_dir / "warmup" / f"upload-{time.time_ns()}.jsonl"
         await save_upload(request, upload)
