@@ -93,11 +93,16 @@ class EntityLinks:
         is really gone.
         """
         dropped = await self.drop(kind, entity_id)
-        return None if dropped is None else dropped[0]
+        if dropped is None:
+            return None
+        await self.unlink(kind, entity_id)
+        return dropped[0]
 
     async def drop(self, kind: str, entity_id: str) -> tuple[int, list[str]] | None:
-        """``forget``, also returning every key it deleted (the vectors' and the link's), so
-        that other processes' memory tiers can be told to drop them too."""
+        """``forget``'s first half: delete the entity's vectors from every tier, keeping its
+        link (``unlink`` deletes it), so that a caller who must also reach other processes'
+        memory tiers can fail and be retried; returns how many were there and every key to
+        drop elsewhere (the vectors' and the link's)."""
         link = self.key(kind, entity_id)
         tiers = self._tiers()
         targets: set[str] = set()
@@ -112,8 +117,14 @@ class EntityLinks:
         for tier in tiers:
             found = [v is not None for v in await tier.amget(keys)]
             present = [p or f for p, f in zip(present, found, strict=True)]
-            await tier.amdelete([*keys, link])
+            await tier.amdelete(keys)
         return sum(present), [*keys, link]
+
+    async def unlink(self, kind: str, entity_id: str) -> None:
+        """Delete the entity's link from every tier."""
+        link = self.key(kind, entity_id)
+        for tier in self._tiers():
+            await tier.amdelete([link])
 
     def _tiers(self) -> list[ByteStore]:
         """The stores to read and delete in directly, so that their errors reach us."""

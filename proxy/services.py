@@ -156,11 +156,14 @@ class Services:
 
     async def forget_entity(self, kind: str, entity_id: str) -> int | None:
         """Drop an entity's cached vector from every tier of every worker (None: never
-        embedded). The other workers' memory tiers have dropped it when this returns."""
+        embedded). The other workers' memory tiers have dropped it when this returns; they
+        are reached through the engine process (``ServiceUnavailableError`` while it is
+        down), and the entity's link goes last, so that a retry finds the entity again."""
         dropped = await self.embedder.links.drop(kind, entity_id)
         if dropped is None:
             return None
         await self.engine.invalidate(dropped[1])
+        await self.embedder.links.unlink(kind, entity_id)
         return dropped[0]
 
     def drop_keys(self, keys: Sequence[str]) -> None:

@@ -200,31 +200,65 @@ def test_a_patch_through_one_worker_is_seen_by_recommends_through_all(
         assert [c["driver_id"] for c in answer.json()["candidates"]] == [driver_id]
 
 
+ADMIN = {"Authorization": "Bearer secret"}
+RECORD = {
+    "driver_id": "D1",
+    "status": "available",
+    "position": {"lat": 31.2, "lng": 121.4},
+    "vehicle": {
+        "vehicle_id": "V1",
+        "type": "van",
+        "energy": "electric",
+        "capacity_kg": 1200,
+        "cargo_volume_m3": 8.5,
+        "cargo_height_m": 1.7,
+    },
+}
+
+
 def test_an_invalidation_reaches_every_workers_memory(tmp_path: Path) -> None:
-    record = {
-        "driver_id": "D1",
-        "status": "available",
-        "position": {"lat": 31.2, "lng": 121.4},
-        "vehicle": {
-            "vehicle_id": "V1",
-            "type": "van",
-            "energy": "electric",
-            "capacity_kg": 1200,
-            "cargo_volume_m3": 8.5,
-            "cargo_height_m": 1.7,
-        },
-    }
-    admin = {"Authorization": "Bearer secret"}
+    record = RECORD
     with FleetcacheServer(tmp_path, workers=2, admin_token="secret") as server:
         for _ in range(6):
             for _ in range(12):  # through both workers: in both memory tiers
                 response = post(server.url, "/v1/features/embed", {"drivers": [record]})
                 assert response.status_code == 200, response.text
-            with httpx.Client(base_url=server.url, headers=admin) as client:
+            with httpx.Client(base_url=server.url, headers=ADMIN) as client:
                 assert client.delete("/v1/cache/entities/driver/D1").status_code == 200
             # wherever the next request lands, its vector is gone: the engine computes it
             response = post(server.url, "/v1/features/embed", {"drivers": [record]})
             assert response.json()["misses"] == 1, "a worker served a dropped vector"
+
+
+def test_an_invalidation_while_the_engine_process_is_down_is_a_503_and_its_retry_completes(
+    tmp_path: Path,
+) -> None:
+    """Every worker's memory tier is reached through the engine process: while it is down a
+    DELETE cannot complete. It answers 503 engine_unavailable with Retry-After (it used to
+    say "the cache store is unavailable" after dropping the entity's link in one worker, so
+    that a retry through that worker found nothing to drop while the other still served
+    the old vector), and its retry, once the engine is back, drops the vector everywhere."""
+    with FleetcacheServer(tmp_path, workers=2, admin_token="secret") as server:
+        for _ in range(12):  # through both workers: in both memory tiers
+            assert post(server.url, "/v1/features/embed", {"drivers": [RECORD]}).status_code == 200
+        engine_pid = server.pids()["engine"]["pid"]
+        os.kill(engine_pid, signal.SIGKILL)
+        time.sleep(0.3)
+        with httpx.Client(base_url=server.url, headers=ADMIN) as client:
+            refused = client.delete("/v1/cache/entities/driver/D1")
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["type"] == "engine_unavailable"
+            assert refused.headers["Retry-After"] == "1"
+            deadline = time.monotonic() + 30
+            while (answer := client.delete("/v1/cache/entities/driver/D1")).status_code == 503:
+                assert time.monotonic() < deadline, "the engine process did not come back"
+                time.sleep(0.2)
+            assert answer.status_code == 200, answer.text
+        for _ in range(6):  # wherever it lands, the vector is gone from every tier
+            response = post(server.url, "/v1/features/embed", {"drivers": [RECORD]})
+            assert response.json()["misses"] == 1, "a worker served a dropped vector"
+            with httpx.Client(base_url=server.url, headers=ADMIN) as client:
+                assert client.delete("/v1/cache/entities/driver/D1").status_code == 200
 
 
 def test_a_killed_worker_is_replaced_while_the_other_serves(tmp_path: Path) -> None:

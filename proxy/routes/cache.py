@@ -18,6 +18,7 @@ from proxy.body import JSONRoute
 from proxy.deps import ServicesDep
 from proxy.drift import DEFAULT_SAMPLE, MAX_SAMPLE, check_drift
 from proxy.errors import API_ERRORS, APIError
+from proxy.ipc import ServiceUnavailableError
 
 log = logging.getLogger("fleetcache.proxy")
 router = APIRouter(tags=["cache"], route_class=JSONRoute, responses=API_ERRORS)
@@ -30,6 +31,8 @@ async def forget_entity(kind: EntityKind, entity_id: str, services: ServicesDep)
     """Drop the entity's cached vector from every tier; its next embed is a miss."""
     try:
         deleted = await services.forget_entity(kind, entity_id)
+    except ServiceUnavailableError:  # 503 <service>_unavailable + Retry-After: retry it
+        raise
     except Exception as exc:
         log.warning("forgetting %s %r failed: %r", kind, entity_id, exc)
         raise APIError(
