@@ -285,6 +285,18 @@ def _lock(directory: Path) -> int:
     return fd
 
 
+def owned_elsewhere(directory: Path) -> bool:
+    """Whether another process owns the log in ``directory`` now (a server on its data dir)."""
+    if not (directory / LOCK_FILE).exists():
+        return False
+    try:
+        fd = _lock(directory)
+    except ChangeLogError:
+        return True
+    os.close(fd)
+    return False
+
+
 def segment_names(directory: Path) -> list[int]:
     """The first change number of each segment in ``directory``, ascending."""
     names = []

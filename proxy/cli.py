@@ -239,13 +239,26 @@ def warmup(
     if not path.is_file():
         console.print(f"[red]no such file:[/red] {path}")
         raise typer.Exit(2)
+    from indexes.changelog import owned_elsewhere
+    from proxy.index_host import LOG_DIR
+
     setup_logging("warning")
     settings = None if url else load_settings(writes=not dry_run)
+    if settings is not None and not dry_run and owned_elsewhere(settings.index_dir / LOG_DIR):
+        console.print(
+            f"[red]warm-up could not run:[/red] a running server owns the data dir "
+            f"{settings.data_dir}; warm it up through the server: "
+            f"fleetcache warmup {path} --url http://HOST:PORT"
+        )
+        raise typer.Exit(1)
     # direct mode keeps its place in the data dir; through a proxy, in the working directory
     places = settings.data_dir / "warmup" if settings else Path(".fleetcache") / "warmup"
     checkpoint = checkpoint_for(places.parent, path)
-    rejects = rejects or Path(f"{path.name}.rejects.jsonl")
-    if restart:
+    rejects = rejects or path.with_name(f"{path.name}.rejects.jsonl")
+    resuming = not dry_run and (
+        checkpoint.rows_done() > 0 if url else any(places.glob(f"{path.name}*.checkpoint.json"))
+    )
+    if restart or not resuming:  # a run from row 1 starts its own list; a resumed one adds
         rejects.unlink(missing_ok=True)
     progress = WarmupProgress(source=str(path), dry_run=dry_run)
     columns = (
@@ -554,6 +567,9 @@ def gen_fleet(
     except ValueError as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from None
+    except OSError as exc:
+        console.print(f"[red]could not write {out}:[/red] {exc.strerror or exc}")
+        raise typer.Exit(1) from None
     console.print(f"wrote {n} drivers to {out}")
 
 

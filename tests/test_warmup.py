@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import gc
 import json
 import os
@@ -97,6 +98,44 @@ def test_cli_warmup_fills_cache_and_index_from_each_format(
         response = client.post("/v1/embeddings", json={"input": texts})
         assert response.headers["X-Cache-Misses"] == "0"
         assert engine.items == warm
+
+
+def test_the_rejects_file_lies_beside_the_file_and_a_run_from_row_one_starts_it_afresh(
+    env: Path, tmp_path: Path
+) -> None:
+    """README: invalid rows go to FILE.rejects.jsonl. It was named after the file in the
+    working directory, and every run appended to it (a finished job run again listed its
+    rejects twice)."""
+    (tmp_path / "in").mkdir()
+    source = tmp_path / "in" / "fleet.jsonl"
+    fleet_file(source, 30)
+    for _ in range(2):  # the second run reads the file again from row 1 (the job finished)
+        result = CliRunner().invoke(cli, ["warmup", str(source)])
+        assert result.exit_code == 0, result.output
+        lines = (tmp_path / "in" / "fleet.jsonl.rejects.jsonl").read_text().splitlines()
+        assert [json.loads(line)["line"] for line in lines] == [31, 32]
+    assert not (tmp_path / "fleet.jsonl.rejects.jsonl").exists()
+
+
+def test_a_direct_warmup_on_a_data_dir_a_server_owns_stops_at_once_saying_so(
+    env: Path, tmp_path: Path
+) -> None:
+    """It started its own index owner, which could not take the fleet change log, and
+    waited two minutes for it before a traceback."""
+    from indexes.changelog import LOCK_FILE
+    from proxy.index_host import LOG_DIR
+
+    source = tmp_path / "fleet.jsonl"
+    fleet_file(source, 10)
+    log_dir = env / "index" / LOG_DIR
+    log_dir.mkdir(parents=True)
+    with (log_dir / LOCK_FILE).open("w") as held:  # as a server's index owner holds it
+        fcntl.flock(held, fcntl.LOCK_EX)
+        started = time.monotonic()
+        result = CliRunner().invoke(cli, ["warmup", str(source)])
+        assert time.monotonic() - started < 10
+    assert result.exit_code == 1, result.output
+    assert "a running server owns the data dir" in result.output and "--url" in result.output
 
 
 def test_dry_run_validates_and_writes_nothing(env: Path, tmp_path: Path) -> None:
