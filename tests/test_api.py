@@ -216,6 +216,17 @@ def test_any_id_a_put_accepts_is_reachable_by_its_percent_encoded_path(
     assert client.get("/v1/stats").json()["fleet"]["drivers"] == 0
 
 
+def test_an_id_in_a_path_is_trimmed_as_in_a_body(client: TestClient) -> None:
+    """A PUT of " S1 " stores S1 (ids are trimmed); its path, with the same spaces, reaches
+    it (it was a 404)."""
+    record = generate_fleet(1, seed=9)[0].model_dump(mode="json") | {"driver_id": " S1 "}
+    assert client.put("/v1/fleet/drivers", json={"drivers": [record]}).status_code == 200
+    assert client.get("/v1/fleet/drivers/S1").json()["driver_id"] == "S1"
+    assert client.get("/v1/fleet/drivers/%20S1%20").json()["driver_id"] == "S1"
+    assert client.patch("/v1/fleet/drivers/%20S1", json={"status": "busy"}).status_code == 200
+    assert client.delete("/v1/fleet/drivers/S1%20").json() == {"deleted": "S1"}
+
+
 def test_health_ready_and_metrics(client: TestClient) -> None:
     assert client.get("/healthz").status_code == 200
     assert client.get("/readyz").status_code == 200

@@ -249,6 +249,13 @@ def test_values_no_real_record_has_are_refused(
     assert client.get("/v1/stats").json()["fleet"]["drivers"] == 0
 
 
+def test_coverage_holds_its_ids_to_the_rule_of_every_other_id(client: TestClient) -> None:
+    """A NUL in an id is a 422 everywhere else; coverage echoed it back in ``not_covered``."""
+    response = send(client, "POST", "/v1/coverage", {"driver_ids": ["D1", "a\x00b"]})
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["param"] == "driver_ids[1]"
+
+
 @pytest.mark.parametrize("explain", ["yes", 1, "true"])
 def test_recommend_flags_take_booleans_only(client: TestClient, explain: Any) -> None:
     order = {"order_id": "O1", "pickup": {"lat": 31.2, "lng": 121.4}, "explain": explain}

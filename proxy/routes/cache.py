@@ -14,6 +14,7 @@ from typing import Any, Literal
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
+from features.models import Identifier
 from proxy.body import JSONRoute
 from proxy.deps import ServicesDep
 from proxy.drift import DEFAULT_SAMPLE, MAX_SAMPLE, check_drift
@@ -27,7 +28,9 @@ EntityKind = Literal["driver", "vehicle"]
 
 
 @router.delete("/v1/cache/entities/{kind}/{entity_id:path}")
-async def forget_entity(kind: EntityKind, entity_id: str, services: ServicesDep) -> dict[str, Any]:
+async def forget_entity(
+    kind: EntityKind, entity_id: Identifier, services: ServicesDep
+) -> dict[str, Any]:
     """Drop the entity's cached vector from every tier; its next embed is a miss."""
     try:
         deleted = await services.forget_entity(kind, entity_id)

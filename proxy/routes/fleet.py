@@ -82,7 +82,7 @@ async def upsert_drivers(body: UpsertRequest, services: ServicesDep, caller: Cal
 
 
 @router.get("/v1/fleet/drivers/{driver_id:path}")
-async def get_driver(driver_id: str, services: ServicesDep) -> dict[str, Any]:
+async def get_driver(driver_id: Identifier, services: ServicesDep) -> dict[str, Any]:
     record = await services.index.get_driver(driver_id)
     if record is None:
         raise unknown_driver(driver_id)
@@ -90,7 +90,9 @@ async def get_driver(driver_id: str, services: ServicesDep) -> dict[str, Any]:
 
 
 @router.patch("/v1/fleet/drivers/{driver_id:path}")
-async def patch_driver(driver_id: str, body: DriverPatch, services: ServicesDep) -> dict[str, Any]:
+async def patch_driver(
+    driver_id: Identifier, body: DriverPatch, services: ServicesDep
+) -> dict[str, Any]:
     if body.position is None and body.status is None:
         raise APIError(422, "send position, status or both", param="position")
     try:
@@ -101,7 +103,7 @@ async def patch_driver(driver_id: str, body: DriverPatch, services: ServicesDep)
 
 
 @router.delete("/v1/fleet/drivers/{driver_id:path}")
-async def delete_driver(driver_id: str, services: ServicesDep) -> dict[str, Any]:
+async def delete_driver(driver_id: Identifier, services: ServicesDep) -> dict[str, Any]:
     if not await services.delete_driver(driver_id):
         raise unknown_driver(driver_id)
     return {"deleted": driver_id}

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from features.models import NO_CONTROL
+from features.models import NO_CONTROL, Identifier
 from features.readers import FORMAT_SUFFIXES, file_format
 from proxy.body import JSONRoute, parse_json
 from proxy.deps import ServicesDep
@@ -45,7 +45,7 @@ class WarmupFromPath(BaseModel):
 
 
 class CoverageRequest(BaseModel):
-    driver_ids: list[str] = Field(min_length=1, max_length=1_000_000)
+    driver_ids: list[Identifier] = Field(min_length=1, max_length=1_000_000)
 
 
 def job_json(job_id: str, progress: WarmupProgress) -> dict[str, Any]:
