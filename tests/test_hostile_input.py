@@ -179,6 +179,21 @@ def test_a_json_body_sent_under_another_media_type_is_a_415_saying_which(
     assert "no Content-Type was sent" in bare.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("content_type", ["text/csv", "application/octet-stream", None])
+def test_a_warmup_body_neither_json_nor_jsonl_is_a_415_naming_both(
+    client: TestClient, content_type: str | None
+) -> None:
+    """A CSV or Parquet body was read as JSON: 400 invalid_json with the decoder's words."""
+    headers = {} if content_type is None else {"content-type": content_type}
+    response = client.post(
+        "/v1/warmup", content=b"driver_id,status\nD1,available\n", headers=headers
+    )
+    assert response.status_code == 415, response.text
+    message = response.json()["error"]["message"]
+    assert "application/json" in message and "application/x-ndjson" in message
+    assert client.get("/v1/warmup").json()["jobs"] == []  # no job started
+
+
 def test_a_json_body_that_is_not_an_object_names_the_body(client: TestClient) -> None:
     response = client.post("/v1/embeddings", json=["a"])
     assert response.status_code == 422, response.text

@@ -110,6 +110,14 @@ async def start_warmup(request: Request, services: ServicesDep, jobs: JobsDep) -
         path, chunk_size, uploaded = upload, 500, True
     else:
         raw = await request.body()
+        if content_type != "application/json" and (content_type or raw.strip()):
+            got = f"got '{content_type}'" if content_type else "no Content-Type was sent"
+            raise APIError(
+                415,
+                f"send {{'path': ...}} as JSON ('Content-Type: application/json') or the rows "
+                f"as a JSONL body ('Content-Type: {JSONL_TYPES[0]}'): {got}; for a CSV or "
+                "Parquet file, place it in the data dir and name it in 'path'",
+            )
         try:
             body = WarmupFromPath.model_validate(parse_json(raw) if raw.strip() else {})
         except ValidationError as exc:
