@@ -275,7 +275,10 @@ class Guard:
         method = "GET" if method == "HEAD" else method
         for route, row in self.rows:
             if row.startswith(method + " ") and route.path_regex.match(path):
-                return self.metrics_scopes if row == METRICS else SCOPES[row]
+                if row != METRICS:
+                    return SCOPES[row]
+                # closed metrics without keys: no operator key exists, the admin token opens
+                return ADMIN if self.ring is None and self.metrics_scopes else self.metrics_scopes
         return None
 
     def _refusal(self, scope: Scope, needed: frozenset[str]) -> tuple[int, bytes] | None:
@@ -315,7 +318,9 @@ class Guard:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or (
-            self.ring is None and not scope["path"].startswith("/v1/cache/")
+            self.ring is None
+            and not scope["path"].startswith("/v1/cache/")
+            and (scope["path"] != "/metrics" or not self.metrics_scopes)
         ):
             await self.app(scope, receive, send)
             return

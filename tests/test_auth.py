@@ -134,6 +134,21 @@ def test_metrics_can_be_closed_to_all_but_operators(
         assert client.get("/metrics", headers=bearer(keys["operator"])).status_code == 200
 
 
+@pytest.mark.parametrize("admin_token", [None, "s3cret"])
+def test_closed_metrics_stay_closed_without_a_keys_file(
+    tmp_path: Path, admin_token: str | None
+) -> None:
+    """With no keys file every route but the admin ones is open, and FLEETCACHE_METRICS_PUBLIC
+    =false was silently ignored: /metrics is then an admin route (the admin token opens it)."""
+    settings = make_settings(tmp_path / "data", metrics_public=False, admin_token=admin_token)
+    with TestClient(create_app(settings, engine=FakeEngine())) as client:
+        wait_ready(client)
+        assert client.get("/metrics").status_code == (401 if admin_token else 403)
+        assert client.get("/v1/stats").status_code == 200  # the rest stays open
+        if admin_token:
+            assert client.get("/metrics", headers=bearer(admin_token)).status_code == 200
+
+
 def test_a_refused_write_changes_nothing(secured: TestClient, keys: dict[str, str]) -> None:
     """A dispatch key may not overwrite or delete drivers: nothing is embedded or indexed."""
     before = secured.get("/v1/stats", headers=bearer(keys["operator"])).json()
