@@ -242,13 +242,18 @@ def worker_main(spec: ChildSpec, host: str, port: int, serve_at_once: bool) -> N
     import uvicorn
 
     from proxy.app import create_app
+    from proxy.http_head import BoundedHeadProtocol
 
     become_child("worker", spec.log_level)
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # uvicorn installs its own handlers
     cluster = replace(spec.cluster(), serve_after_ready_s=0.0 if serve_at_once else 30.0)
     app = create_app(spec.load_settings(), cluster=cluster, freeze_gc=True)
     config = uvicorn.Config(
-        app, log_level=spec.log_level, timeout_graceful_shutdown=30, log_config=None
+        app,
+        log_level=spec.log_level,
+        timeout_graceful_shutdown=30,
+        log_config=None,
+        http=BoundedHeadProtocol,
     )
     uvicorn.Server(config).run(sockets=LateSocket(host, port))  # type: ignore[arg-type]
 

@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -259,6 +260,33 @@ def test_an_invalidation_while_the_engine_process_is_down_is_a_503_and_its_retry
             assert response.json()["misses"] == 1, "a worker served a dropped vector"
             with httpx.Client(base_url=server.url, headers=ADMIN) as client:
                 assert client.delete("/v1/cache/entities/driver/D1").status_code == 200
+
+
+def test_a_request_head_over_its_bound_is_a_431_at_once_and_the_worker_serves_on(
+    tmp_path: Path,
+) -> None:
+    """A worker read a request line and headers of any size (a 100 MB header held its loop
+    11.5 s before any check): past 64 KiB it is refused as it arrives."""
+    from proxy.http_head import MAX_HEAD_BYTES
+
+    with FleetcacheServer(tmp_path, workers=1) as server:
+        pad = b"x" * 1000
+        with socket.create_connection(("127.0.0.1", server.port)) as client:
+            client.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+            started, answer = time.monotonic(), b""
+            with contextlib.suppress(OSError):  # refused: the server closes while we send
+                for i in range(20 * MAX_HEAD_BYTES // len(pad)):
+                    client.sendall(b"X-Pad-%d: %s\r\n" % (i, pad))
+            client.settimeout(5)
+            with contextlib.suppress(OSError):
+                answer = client.recv(4096)
+            assert time.monotonic() - started < 5
+        assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
+        assert b'"type":"invalid_request_error"' in answer
+        # a head under the bound, and the worker's next requests, are served
+        near = {f"x-pad-{i}": "y" * 1000 for i in range(MAX_HEAD_BYTES // 1100)}
+        assert httpx.get(f"{server.url}/healthz", headers=near).status_code == 200
+        assert embed(server.url, ["after the refusal"]).status_code == 200
 
 
 def test_a_killed_worker_is_replaced_while_the_other_serves(tmp_path: Path) -> None:
