@@ -602,6 +602,26 @@ def test_a_job_stopped_with_the_server_resumes_where_it_stopped(tmp_path: Path) 
         assert again.stats()["fleet"]["drivers"] == 4_000
 
 
+def test_a_cancelled_jobs_delete_answers_once_it_stopped(tmp_path: Path) -> None:
+    """The DELETE of a running job (a process of its own) answered "running" and left the
+    caller to poll; it answers once the job stopped, with the place it keeps."""
+    data = tmp_path / "data"
+    data.mkdir(parents=True)
+    write_records(generate_fleet(4_000, seed=13), data / "fleet.jsonl")
+    server = FleetcacheServer(tmp_path, workers=1, fake_delay_ms=300)
+    with server, httpx.Client(base_url=server.url, timeout=30) as client:
+        job_id = client.post("/v1/warmup", json={"path": "fleet.jsonl"}).json()["id"]
+        deadline = time.monotonic() + 60
+        while client.get(f"/v1/warmup/{job_id}").json()["indexed"] < 500:
+            assert time.monotonic() < deadline, "the job indexed 500 drivers not within 60 s"
+            time.sleep(0.1)
+        cancelled = client.delete(f"/v1/warmup/{job_id}").json()
+        assert cancelled["state"] == "cancelled", cancelled
+        assert 500 <= cancelled["rows"] < 4_000
+        again = client.get(f"/v1/warmup/{job_id}").json()
+        assert (again["state"], again["rows"]) == ("cancelled", cancelled["rows"])
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
 def test_a_job_process_runs_no_other_thread_when_it_forks_its_readers() -> None:
     """A fork copies only the thread that forks: another thread holding a lock then (a BLAS

@@ -233,9 +233,12 @@ def test_api_job_from_upload_cancel_and_resume(tmp_path: Path) -> None:
         started = client.post("/v1/warmup", json={"path": "fleet.jsonl", "chunk_size": 50})
         assert started.status_code == 200, started.text
         job = started.json()["id"]
-        assert client.delete(f"/v1/warmup/{job}").status_code == 200
-        state = poll(client, job)
-        assert state["state"] == "cancelled" and state["rows"] < 6_000
+        cancelled = client.delete(f"/v1/warmup/{job}")
+        assert cancelled.status_code == 200
+        state = cancelled.json()  # the answer comes once the job stopped (it said "running")
+        assert state["state"] == "cancelled" and state["rows"] < 6_000, state
+        again = client.get(f"/v1/warmup/{job}").json()
+        assert (again["state"], again["rows"]) == ("cancelled", state["rows"])
 
         resumed = poll(client, client.post("/v1/warmup", json={"path": "fleet.jsonl"}).json()["id"])
         assert resumed["state"] == "done", resumed

@@ -22,6 +22,7 @@ from proxy.errors import API_ERRORS, APIError
 from proxy.warmup import WarmupJobs, WarmupProgress, coverage
 
 router = APIRouter(tags=["warm-up"], route_class=JSONRoute, responses=API_ERRORS)
+CANCEL_WAIT_S = 10.0  # a DELETE waits this long at most for its job to stop
 JSONL_TYPES = ("application/x-ndjson", "application/jsonl", "application/x-jsonlines")
 
 
@@ -154,7 +155,18 @@ async def get_warmup(job_id: str, jobs: JobsDep) -> dict[str, Any]:
 
 @router.delete("/v1/warmup/{job_id}")
 async def cancel_warmup(job_id: str, jobs: JobsDep) -> dict[str, Any]:
-    return known_job(jobs, job_id, jobs.cancel(job_id))
+    """Answers once the job stopped (it looks for the request every ``STOP_POLL_S``), so
+    that the answer says ``cancelled`` and the rows it kept; at most ``CANCEL_WAIT_S``. Its
+    texts already queued for the engine are still computed and cached (not counted as the
+    job's: a later run finds them cached)."""
+    progress = jobs.cancel(job_id)
+    deadline = time.monotonic() + CANCEL_WAIT_S
+    while progress is not None and progress.state in ("queued", "running"):
+        if time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(0.02)
+        progress = jobs.get(job_id)
+    return known_job(jobs, job_id, progress)
 
 
 @router.post("/v1/coverage")
