@@ -163,8 +163,11 @@ def count_rows(path: Path) -> int | None:
             import pyarrow.parquet as pq
 
             return int(pq.ParquetFile(path).metadata.num_rows)
+        lines, last = 0, b"\n"
         with path.open("rb") as f:
-            lines = sum(block.count(b"\n") for block in iter(lambda: f.read(1 << 20), b""))
+            for block in iter(lambda: f.read(1 << 20), b""):
+                lines, last = lines + block.count(b"\n"), block[-1:]
+        lines += last != b"\n"  # a last line without its newline
         return max(0, lines - (1 if fmt == "csv" else 0))
     except (OSError, ValueError):
         return None
@@ -315,6 +318,8 @@ def warmup(
                     checkpoint_every_s=checkpoint_every,
                     on_progress=show,
                 )
+            if progress.state == "done":  # the total counted lines, blank ones too
+                bar.update(task, total=progress.rows, completed=progress.rows)
         except KeyboardInterrupt:
             console.print("[yellow]interrupted: run the same command again to resume[/yellow]")
             raise typer.Exit(130) from None

@@ -138,6 +138,17 @@ def test_a_direct_warmup_on_a_data_dir_a_server_owns_stops_at_once_saying_so(
     assert "a running server owns the data dir" in result.output and "--url" in result.output
 
 
+def test_the_progress_total_counts_a_last_line_without_its_newline(tmp_path: Path) -> None:
+    from proxy.cli import count_rows
+
+    source = tmp_path / "fleet.jsonl"
+    fleet_file(source, 5)
+    source.write_bytes(source.read_bytes().rstrip(b"\n"))  # 7 rows, the last unterminated
+    assert count_rows(source) == 7
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    assert count_rows(tmp_path / "empty.jsonl") == 0
+
+
 def test_dry_run_validates_and_writes_nothing(env: Path, tmp_path: Path) -> None:
     source = tmp_path / "fleet.jsonl"
     fleet_file(source, 40)
