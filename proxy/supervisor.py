@@ -265,8 +265,22 @@ class Supervisor:
             disable_nagle_algorithm = True  # headers and body are two writes: no 40 ms wait
 
             def do_GET(self) -> None:
+                self._answer(*self._health())
+
+            def do_HEAD(self) -> None:
+                code, body = self._health()
+                self._answer(code, body, with_body=False)
+
+            def _refuse(self) -> None:
+                message = f"{self.command}: the health port answers GET /healthz only"
+                error = {"type": "method_not_allowed", "message": message, "param": None}
+                self._answer(405, {"error": error}, allow="GET, HEAD")
+
+            do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = _refuse
+
+            def _health(self) -> tuple[int, dict[str, Any]]:
                 body: dict[str, Any]
-                if self.path != "/healthz":
+                if self.path.partition("?")[0] != "/healthz":
                     message = f"{self.path}: the health port answers GET /healthz only"
                     error = {"type": "not_found", "message": message, "param": None}
                     code, body = 404, {"error": error}
@@ -275,12 +289,20 @@ class Supervisor:
                     code, body = 503, {"status": reason, "workers": supervisor.live_workers}
                 else:
                     code, body = 200, {"status": "ok", "workers": supervisor.live_workers}
+                return code, body
+
+            def _answer(
+                self, code: int, body: dict[str, Any], with_body: bool = True, allow: str = ""
+            ) -> None:
                 data = json.dumps(body).encode()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
+                if allow:
+                    self.send_header("Allow", allow)
                 self.end_headers()
-                self.wfile.write(data)
+                if with_body:
+                    self.wfile.write(data)
 
             def log_message(self, format: str, *args: Any) -> None:
                 pass  # a probe every few seconds is not news

@@ -650,6 +650,12 @@ def test_the_health_port_answers_from_the_supervisor(tmp_path: Path) -> None:
             assert answers[0].json() == {"status": "ok", "workers": 2}
             missing = client.get("/v1/stats")
             assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found"
+            assert client.get("/healthz?from=lb").status_code == 200  # a query changes nothing
+            head = client.head("/healthz")
+            assert (head.status_code, head.content) == (200, b"")
+            posted = client.post("/healthz")  # was a 501 HTML page
+            assert posted.status_code == 405 and posted.headers["Allow"] == "GET, HEAD"
+            assert posted.json()["error"]["type"] == "method_not_allowed"
         supervisor = server.process
         assert supervisor is not None
         supervisor.send_signal(signal.SIGTERM)
