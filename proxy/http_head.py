@@ -6,54 +6,94 @@ request of that worker waiting behind it, before the app (and its auth) saw the 
 tester's run, 2026-12-05). Here a head (request line and headers) that has not ended within
 ``MAX_HEAD_BYTES`` is answered 431 at once and its connection closed, as nginx and Node do
 (their bounds: 32 KiB and 16 KiB).
+
+Nor did uvicorn time a head: a connection that sends nothing, or a head a byte at a time,
+was held for as long as its client liked (its keep-alive timer runs only between requests),
+so enough of them would use up a worker's file descriptors. A head must now arrive whole
+within ``HEAD_TIMEOUT_S`` of its connection or of its first byte, else a 408 closes the
+connection (nginx's ``client_header_timeout``, 60 s; Node's ``headersTimeout``, 60 s).
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 MAX_HEAD_BYTES = 64 * 1024
+HEAD_TIMEOUT_S = 30.0
 _END = b"\r\n\r\n"
-_REFUSAL = orjson.dumps(
-    {
-        "error": {
-            "type": "invalid_request_error",
-            "message": f"the request line and headers are over {MAX_HEAD_BYTES // 1024} KiB",
-            "param": None,
-        }
-    }
+
+
+def _answer(status: bytes, type: str, message: str) -> bytes:
+    body = orjson.dumps({"error": {"type": type, "message": message, "param": None}})
+    return (
+        b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+        b"connection: close\r\n\r\n%s" % (status, len(body), body)
+    )
+
+
+_TOO_LARGE = _answer(
+    b"431 Request Header Fields Too Large",
+    "invalid_request_error",
+    f"the request line and headers are over {MAX_HEAD_BYTES // 1024} KiB",
+)
+_TOO_SLOW = _answer(
+    b"408 Request Timeout",
+    "request_timeout",
+    f"the request line and headers did not arrive within {HEAD_TIMEOUT_S:g} s",
 )
 
 
 class BoundedHeadProtocol(HttpToolsProtocol):
-    """``HttpToolsProtocol`` refusing a head over ``MAX_HEAD_BYTES`` before it is parsed."""
+    """``HttpToolsProtocol`` refusing a head over ``MAX_HEAD_BYTES`` before it is parsed,
+    and one not whole within ``HEAD_TIMEOUT_S``."""
 
     _in_head = True  # reading a head (a connection starts with one)
     _head_bytes = 0  # of the head read so far
     _tail = b""  # its last bytes: an end of head may straddle two reads
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._time_head()
 
     def data_received(self, data: bytes) -> None:
         if self._in_head:
             room = MAX_HEAD_BYTES - self._head_bytes
             if len(data) > room and _END not in self._tail + data[:room]:
-                self._refuse()
+                self._refuse(_TOO_LARGE)
                 return
             self._head_bytes += len(data)
             self._tail = (self._tail + data[-3:])[-3:]
+            if self._head_timer is None:  # a keep-alive connection's next head
+                self._time_head()
         super().data_received(data)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self._untime_head()
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
         self._in_head, self._head_bytes, self._tail = True, 0, b""  # the next request's
         super().on_message_complete()
 
-    def _refuse(self) -> None:
-        self.transport.write(
-            b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(_REFUSAL), _REFUSAL)
-        )
-        self.transport.close()
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._untime_head()
+        super().connection_lost(exc)
+
+    def _time_head(self) -> None:
+        self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._refuse, _TOO_SLOW)
+
+    def _untime_head(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _refuse(self, answer: bytes) -> None:
+        self._untime_head()
+        if not self.transport.is_closing():
+            self.transport.write(answer)
+            self.transport.close()
