@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import orjson
 from fastapi import FastAPI
@@ -54,9 +55,10 @@ class Admission:
       before a byte is read when the request says its length, else as soon as the count
       passes the limit (``BodyError`` from ``receive``: the route never sees the rest);
     - a body must arrive whole within ``settings.body_timeout_s`` of the request (a warm-up
-      upload, which may be large and slow: with no pause that long), else a 408 that closes
-      the connection: a client sending part of a body, or a byte now and then, held its
-      admission for as long as it liked, and a few such clients left every other at 429;
+      upload, which may be large and slow: with no pause that long; checked a tenth of it
+      apart), else a 408 that closes the connection: a client sending part of a body, or a
+      byte now and then, held its admission for as long as it liked, and a few such clients
+      left every other at 429;
     - after every request the worker's counters are published to its board."""
 
     def __init__(self, app: ASGIApp, limit: int, fastapi: FastAPI) -> None:
@@ -67,6 +69,12 @@ class Admission:
         self._busy = _error_body(
             "rate_limit_error", f"this worker holds {limit} requests already; retry shortly"
         )
+        # the tasks waiting for a piece of a body -> its deadline (loop time); one sweep a
+        # tenth of FLEETCACHE_BODY_TIMEOUT_S cancels the late ones, rather than a timer
+        # scheduled and cancelled on every receive of every hit (asyncio.timeout_at)
+        self._reading: dict[asyncio.Task[Any], float] = {}
+        self._late: set[asyncio.Task[Any]] = set()
+        self._swept: asyncio.AbstractEventLoop | None = None  # the loop the sweep runs on
 
     def _body_limit(self, scope: Scope) -> tuple[int, str, bool]:
         """The body's limit in bytes, its setting, and whether it is an upload."""
@@ -102,6 +110,9 @@ class Admission:
                 return _error_body("invalid_request_error", message)
         timeout_s = self.fastapi.state.settings.body_timeout_s
         loop = asyncio.get_running_loop()
+        if self._swept is not loop:
+            self._swept = loop
+            self._sweep(loop, timeout_s)
         deadline = loop.time() + timeout_s
         seen, whole = 0, False
 
@@ -109,10 +120,16 @@ class Admission:
             nonlocal seen, whole, deadline
             if whole:  # after the body: the disconnect, whenever it comes
                 return await receive()
+            task = asyncio.current_task()
+            assert task is not None
+            self._reading[task] = deadline
             try:
-                async with asyncio.timeout_at(deadline):
-                    incoming = await receive()
-            except TimeoutError:
+                incoming = await receive()
+            except asyncio.CancelledError:
+                if task not in self._late:
+                    raise
+                self._late.discard(task)
+                task.uncancel()
                 raise BodyError(
                     408,
                     "request_timeout",
@@ -120,6 +137,8 @@ class Admission:
                     f"{' of its last piece' if upload else ''} (FLEETCACHE_BODY_TIMEOUT_S)",
                     headers={"Connection": "close"},
                 ) from None
+            finally:
+                self._reading.pop(task, None)
             if incoming["type"] == "http.request":
                 seen += len(incoming.get("body", b""))
                 if seen > limit:
@@ -130,6 +149,16 @@ class Admission:
             return incoming
 
         return counted
+
+    def _sweep(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
+        if self._swept is not loop:  # the app is served by another loop now
+            return
+        now = loop.time()
+        for task, deadline in list(self._reading.items()):
+            if now >= deadline and task not in self._late:
+                self._late.add(task)
+                task.cancel()
+        loop.call_later(timeout_s / 10, self._sweep, loop, timeout_s)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in PROBES:

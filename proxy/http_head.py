@@ -17,6 +17,7 @@ connection (nginx's ``client_header_timeout``, 60 s; Node's ``headersTimeout``, 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -48,16 +49,21 @@ _TOO_SLOW = _answer(
 
 class BoundedHeadProtocol(HttpToolsProtocol):
     """``HttpToolsProtocol`` refusing a head over ``MAX_HEAD_BYTES`` before it is parsed,
-    and one not whole within ``HEAD_TIMEOUT_S``."""
+    and one not whole within ``HEAD_TIMEOUT_S`` (one sweep a worker over its connections,
+    not a timer a request: a request pays a clock reading)."""
 
     _in_head = True  # reading a head (a connection starts with one)
     _head_bytes = 0  # of the head read so far
     _tail = b""  # its last bytes: an end of head may straddle two reads
-    _head_timer: asyncio.TimerHandle | None = None
+    _head_since: float | None = None  # the loop's time the head began (None: none begun)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._time_head()
+        self._head_since = self.loop.time()
+        state = self.server_state
+        if not getattr(state, "head_sweep", False):  # the first connection of this worker
+            state.head_sweep = True  # type: ignore[attr-defined]
+            _sweep(self.loop, self.connections)
 
     def data_received(self, data: bytes) -> None:
         if self._in_head:
@@ -67,33 +73,31 @@ class BoundedHeadProtocol(HttpToolsProtocol):
                 return
             self._head_bytes += len(data)
             self._tail = (self._tail + data[-3:])[-3:]
-            if self._head_timer is None:  # a keep-alive connection's next head
-                self._time_head()
+            if self._head_since is None:  # a keep-alive connection's next head
+                self._head_since = self.loop.time()
         super().data_received(data)
 
     def on_headers_complete(self) -> None:
-        self._in_head = False
-        self._untime_head()
+        self._in_head, self._head_since = False, None
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
         self._in_head, self._head_bytes, self._tail = True, 0, b""  # the next request's
         super().on_message_complete()
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._untime_head()
-        super().connection_lost(exc)
-
-    def _time_head(self) -> None:
-        self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._refuse, _TOO_SLOW)
-
-    def _untime_head(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-
     def _refuse(self, answer: bytes) -> None:
-        self._untime_head()
+        self._head_since = None
         if not self.transport.is_closing():
             self.transport.write(answer)
             self.transport.close()
+
+
+def _sweep(loop: asyncio.AbstractEventLoop, connections: set[Any]) -> None:
+    """Answer 408 on each connection whose head began ``HEAD_TIMEOUT_S`` ago, then again in
+    a tenth of it."""
+    now = loop.time()
+    for connection in list(connections):
+        since = getattr(connection, "_head_since", None)
+        if since is not None and now - since >= HEAD_TIMEOUT_S:
+            connection._refuse(_TOO_SLOW)
+    loop.call_later(HEAD_TIMEOUT_S / 10, _sweep, loop, connections)
