@@ -59,6 +59,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import hashlib
 import itertools
 import json
 import os
@@ -184,8 +185,15 @@ class Wrk:
 
     def command(self, script: str, url: str, connections: int, seconds: float) -> list[str]:
         body = (WRK_DIR / script).read_text() + "\n" + (WRK_DIR / "report.lua").read_text()
-        path = Path(tempfile.gettempdir()) / f"fleetcache-{script}"
-        path.write_text(body)
+        # One file a content, written whole before it appears: two wrk started together
+        # (a probe beside the hits) used to share one path, rewritten as the first loaded
+        # it, which then ran a cut script (GET / at full rate, or no RESULT line).
+        digest = hashlib.sha256(body.encode()).hexdigest()[:16]
+        path = Path(tempfile.gettempdir()) / f"fleetcache-{digest}-{script}"
+        if not path.exists():
+            partial = path.with_name(f"{path.name}.{os.getpid()}.part")
+            partial.write_text(body)
+            os.replace(partial, path)
         threads = min(self.threads, connections)
         command = [self.binary, f"-t{threads}", f"-c{connections}", f"-d{max(1, round(seconds))}s"]
         command += ["--timeout", "10s", "-s", str(path), url]
