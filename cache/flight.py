@@ -68,6 +68,10 @@ ComputeFn = Callable[[Sequence[str], str], Awaitable[Vectors]]
 """``async compute(texts, lane) -> (len(texts), dim) float32``; production: Batcher.submit."""
 Ttls = Mapping[str, float]  # text -> seconds, for the texts written with a TTL
 Links = Sequence[tuple[str, str, str]]  # (kind, id, text): entities whose texts these are
+Since = float | Sequence[Sequence[float | None]] | None
+"""When the caller's store lookup began (``time.monotonic``); for a call that merges several
+callers' texts, ``[[count, since], ...]`` in text order, so that each text joins a write-back
+later than its own caller's lookup (None: joins none)."""
 WriteBackFn = Callable[[list[str], Vectors, Ttls, list[str] | None, Links], Awaitable[bool]]
 """``write_back(texts, rows, ttl_s, keys, links)`` writes computed rows to the store, under
 ``keys`` when the callers hashed them (else None); False when the store failed (absorbed)."""
@@ -216,12 +220,12 @@ class SingleFlight:
         lane: str,
         caller: str,
         ttl_s: Ttls | None = None,
-        since: float | None = None,
+        since: Since = None,
         links: Links = (),
         durable: bool = True,
         keys: Sequence[str] | None = None,
     ) -> Flown:
-        """Rows of ``texts``. ``since``: when the caller's store lookup began (monotonic).
+        """Rows of ``texts``. ``since``: when the caller's store lookup began (``Since``).
         ``links``: entities of these texts, linked to their vectors in the write-back's own
         transaction, and of the caller's other texts (found in its store lookup: their vectors
         are stored), linked in the same transaction; those of texts that joined another
@@ -289,7 +293,7 @@ class SingleFlight:
     def _claim(
         self,
         texts: Sequence[str],
-        since: float | None,
+        since: Since,
         keys: Sequence[str] | None,
         loop: asyncio.AbstractEventLoop,
     ) -> tuple[_Flight | None, list[_Flight], list[bool]]:
@@ -301,13 +305,13 @@ class SingleFlight:
         waits: list[_Flight] = []
         coalesced: list[bool] = []
         at: list[int] = []  # the flight's places in ``texts``
-        joinable_after = float("inf") if since is None else since
+        joinable_after = _joinable_after(since, len(texts))
         for i, text in enumerate(texts):
             owner = inflight.get(text)
             if (
                 owner is None
                 and (late := recent.get(text) or older.get(text))
-                and late.written_at >= joinable_after
+                and late.written_at >= joinable_after[i]
             ):
                 owner = late
             coalesced.append(owner is not None)  # earlier in these texts counts too
@@ -388,3 +392,15 @@ class SingleFlight:
         """Let running computations finish and write back (up to ``grace_s`` seconds)."""
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=grace_s)
+
+
+def _joinable_after(since: Since, n: int) -> list[float]:
+    """Each of ``n`` texts' ``since`` (infinite: it joins no write-back)."""
+    if since is None or isinstance(since, int | float):
+        return [float("inf") if since is None else float(since)] * n
+    after: list[float] = []
+    for count, at in since:
+        after += [float("inf") if at is None else float(at)] * int(count or 0)
+    if len(after) != n:
+        raise ValueError(f"since covers {len(after)} texts of {n}")
+    return after

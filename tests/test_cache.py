@@ -228,6 +228,36 @@ def test_rows_shared_by_coalesced_callers_are_read_only_and_copied_unless_handed
     assert handed is kept[-1] and not handed.flags.writeable
 
 
+def test_each_caller_of_a_merged_call_joins_by_its_own_lookup_s_time() -> None:
+    """A worker merges callers' misses into one call. With the latest caller's ``since`` for
+    the whole call, a text written back between the two lookups was computed again for the
+    first caller, whose lookup began before the write (tests/test_devices.py saw one text of
+    eight computed twice through two engines)."""
+
+    async def write_back(*_: Any) -> bool:
+        return True
+
+    async def scenario() -> None:
+        compute = FakeCompute()
+        flight = SingleFlight(compute, DIM, write_back=write_back, recent=8)
+        first = time.monotonic()  # the first caller's lookup: "a" not yet stored
+        await flight.embed(["a"], lane="dispatch", caller="c")  # computed, written back
+        second = time.monotonic()  # the second caller's lookup: "a" was in the store for it
+        merged = await flight.embed(
+            ["a", "z"], lane="dispatch", caller="c", since=[[1, first], [1, second]]
+        )
+        assert merged.coalesced == [True, False]  # the first caller's "a" joins the write
+        apart = await flight.embed(
+            ["a", "y"], lane="dispatch", caller="c", since=[[1, second], [1, first]]
+        )
+        assert apart.coalesced == [False, False]  # looked up after the write: computed
+        assert [texts for texts, _ in compute.calls] == [["a"], ["z"], ["a", "y"]]
+        with pytest.raises(ValueError):
+            await flight.embed(["a", "b"], lane="dispatch", caller="c", since=[[1, first]])
+
+    asyncio.run(scenario())
+
+
 def test_texts_just_written_back_stay_joinable_for_a_lookup_that_began_before() -> None:
     """A caller whose store lookup began before a text's write-back landed (``since``)
     joins it as coalesced instead of computing it again; one whose lookup began after

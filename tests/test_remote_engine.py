@@ -104,7 +104,7 @@ def test_calls_of_one_turn_go_as_one_and_a_shared_text_is_computed_once(
     asyncio.run(scenario())
 
 
-def test_a_merged_call_carries_every_caller_s_links_ttls_keys_and_the_latest_since() -> None:
+def test_a_merged_call_carries_every_caller_s_links_ttls_keys_and_since() -> None:
     async def scenario() -> None:
         engine, client = remote(fake_rows(FakeEngine().dim))
         link_a, link_b = ("driver", "d1", "a"), ("driver", "d2", "hit text")
@@ -120,13 +120,14 @@ def test_a_merged_call_carries_every_caller_s_links_ttls_keys_and_the_latest_sin
             ),
         )
         [call] = client.calls
-        assert call["ttl"] == {"a": 60.0} and call["since"] == 12.5  # the first caller's ttl
+        assert call["ttl"] == {"a": 60.0}  # the first caller's ttl
+        assert call["since"] == [[1, 10.0], [2, 12.5]]  # each caller's, for its texts
         assert call["links"] == [list(link_a), list(link_b)]
         assert call["keys"] == ["k:a", "k:b", "k:a"]
         client.calls.clear()
-        # a caller that gives no ``since`` joins nothing written before: nor does the call
+        # a caller that gives no ``since`` joins nothing written before; the other still may
         await asyncio.gather(embed(engine, ["c"], since=3.0), embed(engine, ["d"], since=None))
-        assert client.calls[0]["since"] is None
+        assert client.calls[0]["since"] == [[1, 3.0], [1, None]]
 
     asyncio.run(scenario())
 
