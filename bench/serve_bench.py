@@ -1140,7 +1140,23 @@ def device_line(device: dict[str, Any]) -> str:
         f"{s['waiting']:.2f} s ({s['waiting'] / span:.0%}), in {device['starved']:,} of the "
         f"batches; padded batches waiting for the loop {s['queued'] * 1e3 / n:.2f} ms a "
         f"batch; padding {s['padding'] * 1e3 / n:.2f} ms a batch (its thread)"
+        + "".join(
+            f"; {what} {s[key] * 1e3 / n:.2f}"
+            for key, what in HAND_OVER
+            if key in s  # a child of code before them (--code) has not these
+        )
+        + " (ms a batch)"
     )
+
+
+# The hand-over's steps (``proxy.device_process``), as ``device_line`` prints them.
+HAND_OVER = (
+    ("late", "of the waiting, before the engine process had sent the batch"),
+    ("transit", "sent -> received"),
+    ("pickup", "answer sent -> the engine thread holding it"),
+    ("forming", "engine thread starting a batch -> the next one's tokenizing"),
+    ("tokenizing", "its tokenizing -> sent"),
+)
 
 
 def autogroup() -> str:

@@ -31,9 +31,16 @@ Each answer carries how the child spent that batch's time (``TIMES``), summed in
 ``health()`` (``/v1/stats`` ``inference.device_process``): the seconds its device loop waited
 with nothing padded (``waiting``; ``starved_batches`` counts the batches that found none
 ready), those a padded batch waited for the loop (``queued``), its thread's padding
-(``padding``) and the forward with its postprocessing (``forward``). A loop starved while the
-device is idle says the engine process sends batches late; batches queued while it is idle
-say the child's own loop is late.
+(``padding``), the forward with its postprocessing (``forward``), a batch's way from the
+engine process's send to the child (``transit``) and, of a starved loop's wait, the part
+before the engine process had sent the batch (``late``). A loop starved while the device is
+idle says the engine process sends batches late; batches queued while it is idle say the
+child's own loop is late. The engine process times its side of the hand-over (``HAND_OFF``):
+``pickup``, an answer sent -> the batcher's engine thread holding it (that thread's wake, and
+its wait for the GIL); ``forming``, the engine thread starting on a batch -> the batcher's
+tokenizer thread starting on one ahead of it (the event loop's turn that takes it from the
+queue, then the tokenizer thread's wait); ``tokenizing``, that thread's tokenize -> the
+batch sent. Together they say which step leaves a starved child without its next batch.
 
 A child that dies (a crashed driver, the OOM killer, kill -9) fails the batch it held with
 ``EngineUnavailableError``; another child is started at once in the background and, until it
@@ -51,6 +58,7 @@ import multiprocessing
 import os
 import queue
 import secrets
+import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -83,7 +91,9 @@ BATCH_TIMEOUT_S = 120.0  # a batch unanswered this long: the device hangs, the c
 _POLL_MS = 500  # how often a wait checks that the child is alive
 _KEPT_ANSWERS = 16  # answers filed for batches nobody waits for yet (the batcher sends 2 ahead)
 # What an answer's "t" holds, in order (see the module docstring): summed by the engine process.
-TIMES = ("starved_batches", "waiting", "queued", "padding", "forward")
+TIMES = ("starved_batches", "waiting", "queued", "padding", "forward", "transit", "late")
+HAND_OFF = ("pickup", "forming", "tokenizing")  # the engine process's side, timed there
+_SENT = struct.Struct("<qd")  # a batch's first frame: its sequence number, when it was sent
 _ERRORS: dict[str, type[EngineError]] = {
     "BatchError": BatchError,
     "EngineUnavailableError": EngineUnavailableError,
@@ -133,9 +143,12 @@ class DeviceProcessEngine(Engine):
         self._read_lock = threading.Lock()
         self._sent = 0
         self._answers: dict[tuple[int, int], list[zmq.Frame]] = {}
-        self._times = dict.fromkeys(TIMES, 0.0)  # summed over the answered batches
+        self._times = dict.fromkeys(TIMES + HAND_OFF, 0.0)  # summed over the answered batches
         self._timed = 0  # batches answered with rows
         self._times_lock = threading.Lock()
+        self._forward_at = 0.0  # when the engine thread last started on a batch (forming)
+        self._forward_thread: int | None = None  # that thread
+        self._forming = False  # no batch ahead was tokenized since then
         self._keeper: threading.Thread | None = None
         self._wanted = threading.Event()  # the keeper should start a child
         self._started = threading.Event()  # the keeper's last attempt is over
@@ -265,6 +278,10 @@ class DeviceProcessEngine(Engine):
         for the token budget (without a tokenizer: the texts alone, the child tokenizes),
         sent to the child at once, so that it pads them while the device runs the batch
         before; not a batch over ``max_batch_tokens``, which the batcher runs in groups."""
+        began = time.perf_counter()
+        if self._forming and threading.get_ident() != self._forward_thread:  # a batch ahead
+            self._forming = False
+            self._note("forming", began - self._forward_at)
         if self._fast is None:
             batch = Batch(len(texts), 0, {"texts": texts})
             padded = np.full(len(texts), self.info.max_seq_length, np.int64)
@@ -277,9 +294,12 @@ class DeviceProcessEngine(Engine):
         if len(budget_groups(padded, self.max_batch_tokens)) == 1:
             with contextlib.suppress(EngineUnavailableError):  # forward tries again, says so
                 batch.data["ticket"] = self._send(texts)
+                self._note("tokenizing", time.perf_counter() - began)
         return batch
 
     def forward(self, batch: Batch) -> Vectors:
+        self._forward_at, self._forward_thread = time.perf_counter(), threading.get_ident()
+        self._forming = True
         ticket = batch.data.get("ticket")
         if ticket is None:
             try:
@@ -294,11 +314,17 @@ class DeviceProcessEngine(Engine):
         header = msgspec.msgpack.decode(frames[0].buffer)
         if "error" in header:
             raise _ERRORS.get(header["type"], EngineError)(header["error"])
+        pickup = time.perf_counter() - header["d"]  # one clock (CLOCK_MONOTONIC) for both
         with self._times_lock:
             self._timed += 1
             for name, value in zip(TIMES, header["t"], strict=True):
                 self._times[name] += value
+            self._times["pickup"] += pickup
         return np.frombuffer(frames[1].buffer, "<f4").reshape(header["shape"])
+
+    def _note(self, name: str, seconds: float) -> None:
+        with self._times_lock:
+            self._times[name] += seconds
 
     def postprocess(self, output: Any, batch: Batch) -> Vectors:
         return output  # the child's engine postprocessed them
@@ -315,7 +341,7 @@ class DeviceProcessEngine(Engine):
             "starts": self.starts,
             "reason": self._down,
             **timed,
-            "seconds": dict(zip(TIMES[1:], seconds, strict=True)),
+            "seconds": dict(zip(TIMES[1:] + HAND_OFF, seconds, strict=True)),
         }
 
     def _send(self, texts: Sequence[str]) -> tuple[int, int]:
@@ -334,7 +360,7 @@ class DeviceProcessEngine(Engine):
                 self._wanted.set()  # the keeper starts one, unless it is starting one now
                 raise EngineUnavailableError(self._down or "the device process exited")
             self._sent += 1
-            frames[0] = self._sent.to_bytes(8, "little")
+            frames[0] = _SENT.pack(self._sent, time.perf_counter())
             child.to.send_multipart(frames)
             return child.generation, self._sent
 
@@ -414,14 +440,16 @@ def device_main(kind: str, options: dict[str, Any], name: str, log_level: str) -
         "seq_buckets": list(getattr(engine, "seq_buckets", None) or ()) or None,
     }
     back.send(msgspec.msgpack.encode(ready))
-    # (seq, the padded batch or its failure, when its frames came, when it was padded)
-    tokenized: queue.SimpleQueue[tuple[bytes, Batch | Exception, float, float]]
+    # (seq, the padded batch or its failure, when it was sent, when its frames came, when it
+    # was padded)
+    tokenized: queue.SimpleQueue[tuple[bytes, Batch | Exception, float, float, float]]
     tokenized = queue.SimpleQueue()
 
     def receive() -> None:
         while True:
             frames = incoming.recv_multipart(copy=False)
             came = time.perf_counter()
+            seq, sent = _SENT.unpack(frames[0].bytes)
             texts: list[str] = msgspec.msgpack.decode(frames[1].buffer)
             if len(frames) == 4:
                 flat = np.frombuffer(frames[2].buffer, "<i4")
@@ -431,13 +459,13 @@ def device_main(kind: str, options: dict[str, Any], name: str, log_level: str) -
                 padded = engine.tokenize(texts)
             except Exception as exc:  # the batch's own failure: the engine process decides
                 padded = exc
-            tokenized.put((frames[0].bytes, padded, came, time.perf_counter()))
+            tokenized.put((seq.to_bytes(8, "little"), padded, sent, came, time.perf_counter()))
 
     threading.Thread(target=receive, name="device-tokenizer", daemon=True).start()
     while True:
         starved = tokenized.empty()
         idle = time.perf_counter()
-        seq, batch, came, padded = tokenized.get()
+        seq, batch, sent, came, padded = tokenized.get()
         start = time.perf_counter()
         try:
             if isinstance(batch, Exception):
@@ -447,8 +475,10 @@ def device_main(kind: str, options: dict[str, Any], name: str, log_level: str) -
             back.send_multipart([seq, msgspec.msgpack.encode(_error(exc))])
             continue
         # TIMES: a starved loop's wait counts from its last answer (from its start: the first)
-        times = (starved, start - idle, start - padded, padded - came, time.perf_counter() - start)
-        header = msgspec.msgpack.encode({"shape": rows.shape, "t": times})
+        late = min(start - idle, max(0.0, sent - idle)) if starved else 0.0
+        forward = time.perf_counter() - start
+        times = (starved, start - idle, start - padded, padded - came, forward, came - sent, late)
+        header = msgspec.msgpack.encode({"shape": rows.shape, "t": times, "d": time.perf_counter()})
         back.send_multipart([seq, header, rows.data], copy=False)
 
 

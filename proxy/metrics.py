@@ -225,7 +225,11 @@ def device_child_families(child: dict[str, Any] | None) -> Iterator[Family]:
         "fleetcache_device_child_seconds",
         "The device child's time over its batches: forward (with postprocessing), waiting "
         "(its device loop with nothing padded to run), queued (padded batches waiting for "
-        "that loop), padding (its other thread).",
+        "that loop), padding (its other thread), transit (sent -> received), late (of the "
+        "waiting, before the engine process had sent the batch); and the engine process's "
+        "side of the hand-over: pickup (an answer sent -> its engine thread holding it), "
+        "forming (that thread starting a batch -> the next one's tokenizing begun), "
+        "tokenizing (begun -> sent).",
         labels=["phase"],
     )
     for phase, value in child["seconds"].items():

@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 import pytest
 
-from engines.base import EngineError, EngineUnavailableError, Vectors
+from engines.base import Batch, EngineError, EngineUnavailableError, Vectors
 from engines.batcher import Batcher
 from engines.fake import FakeEngine
 from engines.tokenization import TokenizedTexts
@@ -159,6 +159,9 @@ def test_the_child_says_whether_its_device_loop_waited_for_batches_or_they_for_i
         assert alone["batches"] == alone["starved_batches"] == 2
         assert alone["seconds"]["waiting"] >= 0.2 and alone["seconds"]["queued"] < 0.05
         assert 0.2 <= alone["seconds"]["forward"] < 1.0
+        # each was sent at the end of its wait: the engine process's lateness, not the child's
+        assert 0.2 <= alone["seconds"]["late"] <= alone["seconds"]["waiting"]
+        assert alone["seconds"]["transit"] < 0.05 and alone["seconds"]["pickup"] < 0.05
 
         sent = [engine.tokenize(TEXTS[i : i + 5]) for i in range(0, 15, 5)]
         for batch in sent:
@@ -168,6 +171,36 @@ def test_the_child_says_whether_its_device_loop_waited_for_batches_or_they_for_i
         queued = ahead["seconds"]["queued"] - alone["seconds"]["queued"]
         assert queued >= 0.1 + 0.2 - 0.05  # ~0.1 s behind one forward, ~0.2 behind two
         assert ahead["seconds"]["forward"] >= 0.5 and ahead["seconds"]["padding"] < 0.5
+        # the first of three, sent 0.2 s after the loop went idle; the others were waiting
+        assert 0.2 <= ahead["seconds"]["late"] - alone["seconds"]["late"] < 0.25
+    finally:
+        engine.close()
+
+
+def test_the_engine_process_times_its_hand_over_of_a_batch_formed_ahead() -> None:
+    """``forming``: the engine thread starting on a batch -> another thread starting to
+    tokenize the next (the batcher's event loop and tokenizer thread); ``pickup``: an answer
+    sent -> the thread that waits for it holding it."""
+    engine = DeviceProcessEngine("fake", {"device": "cpu", "delay_s": 0.05})
+    engine.load()
+    try:
+        first = engine.tokenize(TEXTS[:5])
+        ahead: list[Batch] = []
+
+        def form_late() -> None:
+            time.sleep(0.2)
+            ahead.append(engine.tokenize(TEXTS[5:10]))
+
+        former = threading.Thread(target=form_late)
+        former.start()
+        engine.forward(first)  # the engine thread starts on it; the next one forms 0.2 s later
+        former.join()
+        time.sleep(0.2)  # its answer (at ~0.25 s) waits ~0.15 s to be picked up
+        engine.forward(ahead[0])
+        seconds = engine.health()["seconds"]
+        assert 0.2 <= seconds["forming"] < 0.4
+        assert 0.1 <= seconds["pickup"] < 0.3
+        assert seconds["tokenizing"] < 0.05
     finally:
         engine.close()
 
