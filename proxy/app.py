@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engines.base import Engine
 from proxy.auth import Guard, KeyRing, route_rows
-from proxy.body import BodyError
+from proxy.body import BodyError, media_type
 from proxy.drift import background_checks
 from proxy.errors import install_error_handlers
 from proxy.jobs import ProcessJobs
@@ -80,8 +80,8 @@ class Admission:
         """The body's limit in bytes, its setting, and whether it is an upload."""
         settings = self.fastapi.state.settings
         if scope["method"] == "POST" and scope["path"] == "/v1/warmup":
-            media = next((v for k, v in scope["headers"] if k == b"content-type"), b"")
-            if media.split(b";")[0].strip().decode("latin-1").lower() in JSONL_TYPES:
+            media = next((v for k, v in scope["headers"] if k == b"content-type"), None)
+            if media_type(media) in JSONL_TYPES:
                 return int(settings.max_upload_mb * 2**20), "FLEETCACHE_MAX_UPLOAD_MB", True
         return int(settings.max_body_mb * 2**20), "FLEETCACHE_MAX_BODY_MB", False
 

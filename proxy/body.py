@@ -25,6 +25,14 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
+def media_type(content_type: str | bytes | None) -> str:
+    """A Content-Type header's media type, lower case and without its parameters ("" for
+    none): ``application/json`` of ``Application/JSON; charset=utf-8``."""
+    if isinstance(content_type, bytes):
+        content_type = content_type.decode("latin-1")
+    return (content_type or "").split(";")[0].strip().lower()
+
+
 class BodyError(StarletteHTTPException):
     """A body refused before validation; FastAPI re-raises HTTP exceptions from ``json()``."""
 

@@ -47,7 +47,7 @@ from engines.base import (
     TooLargeError,
 )
 from features.constraints import UnknownConstraintError
-from proxy.body import BodyError
+from proxy.body import BodyError, media_type
 from proxy.ipc import ServiceUnavailableError
 
 log = logging.getLogger("fleetcache.proxy")
@@ -97,7 +97,7 @@ def _validation(request: Request, exc: Exception) -> JSONResponse:
         return error_response(400, f"malformed JSON: {first.get('msg')}", type="invalid_json")
     loc = tuple(first.get("loc", ()))
     if loc == ("body",):  # the body is no JSON object
-        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        media = media_type(request.headers.get("content-type"))
         if media != "application/json" and not media.endswith("+json"):
             got = f"got '{media}'" if media else "no Content-Type was sent"
             return error_response(

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from features.models import NO_CONTROL, Identifier
 from features.readers import FORMAT_SUFFIXES, file_format
-from proxy.body import JSONRoute, parse_json
+from proxy.body import JSONRoute, media_type, parse_json
 from proxy.deps import ServicesDep
 from proxy.errors import API_ERRORS, APIError
 from proxy.warmup import WarmupJobs, WarmupProgress, coverage
@@ -104,7 +104,7 @@ async def save_upload(request: Request, upload: Path) -> None:
     },
 )
 async def start_warmup(request: Request, services: ServicesDep, jobs: JobsDep) -> dict[str, Any]:
-    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    content_type = media_type(request.headers.get("content-type"))
     if content_type in JSONL_TYPES:
         upload = services.settings.data_dir / "warmup" / f"upload-{time.time_ns()}.jsonl"
         await save_upload(request, upload)
