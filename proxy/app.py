@@ -161,6 +161,10 @@ class Admission:
         loop.call_later(timeout_s / 10, self._sweep, loop, timeout_s)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "HEAD":
+            # answered as its GET (a load balancer's check of /healthz, a HEAD of /v1/stats);
+            # the server sends no body, reading HEAD in its own scope
+            scope = {**scope, "method": "GET"}
         if scope["type"] != "http" or scope["path"] in PROBES:
             await self.app(scope, receive, send)
             return

@@ -656,6 +656,11 @@ def test_the_health_port_answers_from_the_supervisor(tmp_path: Path) -> None:
             posted = client.post("/healthz")  # was a 501 HTML page
             assert posted.status_code == 405 and posted.headers["Allow"] == "GET, HEAD"
             assert posted.json()["error"]["type"] == "method_not_allowed"
+        for path in ("/healthz", "/readyz", "/v1/stats"):  # the main port: HEAD as its GET
+            head = httpx.head(f"{server.url}{path}", timeout=5)
+            assert (head.status_code, head.content) == (200, b""), path
+            assert int(head.headers["content-length"]) > 0  # its GET's length, as HTTP says
+        assert httpx.head(f"{server.url}/v1/embeddings", timeout=5).status_code == 405
         supervisor = server.process
         assert supervisor is not None
         supervisor.send_signal(signal.SIGTERM)
