@@ -152,6 +152,22 @@ def file_format(path: str | os.PathLike[str]) -> Format:
         ) from None
 
 
+def check_jsonl(path: str | os.PathLike[str]) -> None:
+    """ValueError when a JSON Lines input (by its extension: ``.json`` too) holds one JSON
+    array instead of a record a line: read as lines, each of its rows would only be rejected.
+    Reads up to its first non-blank byte."""
+    if file_format(path) != "jsonl":
+        return
+    with open(path, "rb") as f:
+        while (chunk := f.read(4096)) and not (start := chunk.lstrip()):
+            pass
+    if chunk and start.removeprefix(b"\xef\xbb\xbf").startswith(b"["):
+        raise ValueError(
+            "it holds a JSON array; warm-up reads JSON Lines, one record a line (convert it "
+            "with: jq -c '.[]' FILE > FILE.jsonl)"
+        )
+
+
 # ---- flat rows (CSV, Parquet) ------------------------------------------------------------
 
 

@@ -26,7 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from cache.prune import NamespaceUsage, prune
-from features.readers import file_format, write_records
+from features.readers import check_jsonl, file_format, write_records
 from features.synthetic import iter_fleet
 from proxy.auth import KNOWN_SCOPES, KeysFileError, add_key, parse_scopes, read_keys, revoke_key
 from proxy.settings import Settings, check_data_dir
@@ -242,6 +242,11 @@ def warmup(
     if not path.is_file():
         console.print(f"[red]no such file:[/red] {path}")
         raise typer.Exit(2)
+    try:
+        check_jsonl(path)
+    except ValueError as exc:
+        console.print(f"[red]{path}:[/red] {exc}", markup=True, highlight=False)
+        raise typer.Exit(2) from None
     from indexes.changelog import owned_elsewhere
     from proxy.index_host import LOG_DIR
 

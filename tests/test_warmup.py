@@ -234,6 +234,38 @@ def test_resume_after_kill_embeds_nothing_twice(env: Path, tmp_path: Path) -> No
         assert stats["fleet"]["drivers"] == 12_000
 
 
+def test_a_json_array_is_refused_at_once_naming_json_lines(env: Path, tmp_path: Path) -> None:
+    """A .json file (or a JSONL upload) holding one JSON array was read as lines: every
+    row rejected, exit 0 and a job "done". Now the CLI, the path and the upload refuse it."""
+    records = [orjson.loads(d.model_dump_json()) for d in generate_fleet(3, seed=5)]
+    array = tmp_path / "fleet.json"
+    array.write_bytes(b"\n  " + orjson.dumps(records, option=orjson.OPT_INDENT_2))
+    result = CliRunner().invoke(cli, ["warmup", str(array)])
+    assert result.exit_code == 2 and "JSON Lines" in result.output, result.output
+    assert not (env / "index").exists()
+    lines = tmp_path / "lines.json"  # the same records, one a line: read as before
+    lines.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
+    assert CliRunner().invoke(cli, ["warmup", str(lines)]).exit_code == 0
+
+    settings = make_settings(tmp_path / "served")
+    settings.data_dir.mkdir(parents=True)
+    (settings.data_dir / "fleet.json").write_bytes(array.read_bytes())
+    with open_client(settings) as client:
+        wait_ready(client)
+        by_path = client.post("/v1/warmup", json={"path": "fleet.json"})
+        assert by_path.status_code == 422, by_path.text
+        assert by_path.json()["error"]["param"] == "path"
+        assert "JSON Lines" in by_path.json()["error"]["message"]
+        upload = client.post(
+            "/v1/warmup",
+            content=array.read_bytes(),
+            headers={"Content-Type": "application/x-ndjson"},
+        )
+        assert upload.status_code == 422 and upload.json()["error"]["param"] == "body"
+        assert client.get("/v1/warmup").json()["jobs"] == []
+    assert list((settings.data_dir / "warmup").glob("upload-*")) == []
+
+
 def test_api_job_from_upload_cancel_and_resume(tmp_path: Path) -> None:
     settings = make_settings(tmp_path / "data")
     settings.data_dir.mkdir(parents=True)

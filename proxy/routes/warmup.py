@@ -15,7 +15,7 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from features.models import NO_CONTROL, Identifier
-from features.readers import FORMAT_SUFFIXES, file_format
+from features.readers import FORMAT_SUFFIXES, check_jsonl, file_format
 from proxy.body import JSONRoute, media_type, parse_json
 from proxy.deps import ServicesDep
 from proxy.errors import API_ERRORS, APIError
@@ -73,6 +73,10 @@ def server_path(services: ServicesDep, raw: str) -> Path:
         raise APIError(
             422, f"unknown file format of {raw!r}; known extensions: {known}", param="path"
         ) from None
+    try:
+        check_jsonl(path)
+    except ValueError as exc:
+        raise APIError(422, f"{raw}: {exc}", param="path") from None
     return path
 
 
@@ -108,6 +112,11 @@ async def start_warmup(request: Request, services: ServicesDep, jobs: JobsDep) -
     if content_type in JSONL_TYPES:
         upload = services.settings.data_dir / "warmup" / f"upload-{time.time_ns()}.jsonl"
         await save_upload(request, upload)
+        try:
+            check_jsonl(upload)
+        except ValueError as exc:
+            upload.unlink(missing_ok=True)
+            raise APIError(422, f"the body: {exc}", param="body") from None
         path, chunk_size, uploaded = upload, 500, True
     else:
         raw = await request.body()
