@@ -114,10 +114,7 @@ def make_live(root: Path, target: Path) -> None:
     atomically (the commit point), then the replacement itself on disk."""
     fsync_path(target)
     fsync_path(root)  # the new directory's entry is durable before CURRENT names it
-    pointer = root / f"{CURRENT}.tmp"
-    write_durably(pointer, (target.name + "\n").encode())
-    os.replace(pointer, root / CURRENT)
-    fsync_path(root)
+    replace_durably(root / CURRENT, (target.name + "\n").encode())
 
 
 def live_dir(root: Path) -> Path | None:
@@ -338,6 +335,16 @@ def _remove_snapshots(root: Path, keep: str | None) -> None:
 def write_durably(path: Path, *pieces: bytes) -> None:
     """Create ``path`` holding ``pieces`` one after another, fsynced before it returns."""
     _write_with(path, lambda fh: fh.writelines(pieces))
+
+
+def replace_durably(path: Path, content: bytes) -> None:
+    """Replace ``path`` with ``content`` atomically (a reader sees the old file or the new,
+    never part of one) and durably: ``PATH.tmp`` written and fsynced, renamed over it, the
+    rename itself fsynced (its directory)."""
+    tmp = path.with_name(f"{path.name}.tmp")
+    write_durably(tmp, content)
+    os.replace(tmp, path)
+    fsync_path(path.parent)
 
 
 def _write_with(path: Path, write: Callable[[IO[bytes]], object]) -> None:

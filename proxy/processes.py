@@ -34,7 +34,7 @@ from typing import Any
 
 from engines.base import EngineInfo
 from features.synthetic import generate_fleet
-from indexes.snapshot import fsync_path, write_durably
+from indexes.snapshot import replace_durably
 from proxy.board import Board
 from proxy.engine_host import (
     build_engine,
@@ -289,16 +289,9 @@ async def load_demo_fleet(services: Services, settings: Settings) -> None:
             embedded,
         )
     # every upsert above is in the index's change log (flushed) before its call returned
-    await asyncio.to_thread(_mark_demo, mark, json.dumps(wanted).encode())
-    await services.index.set_ready()
-
-
-def _mark_demo(mark: Path, content: bytes) -> None:
     mark.parent.mkdir(parents=True, exist_ok=True)
-    tmp = mark.with_suffix(".tmp")
-    write_durably(tmp, content)
-    os.replace(tmp, mark)
-    fsync_path(mark.parent)
+    await asyncio.to_thread(replace_durably, mark, json.dumps(wanted).encode())
+    await services.index.set_ready()
 
 
 def demo_main(spec: ChildSpec) -> None:

@@ -25,7 +25,6 @@ import functools
 import itertools
 import json
 import logging
-import os
 import re
 import time
 import zlib
@@ -41,6 +40,7 @@ from engines.base import EngineUnavailableError, QueueFullError
 from features.models import DriverRecord
 from features.readers import Keep, KeepRaw, Row, iter_rows
 from features.text import driver_text
+from indexes.snapshot import replace_durably
 from proxy.services import Services
 
 log = logging.getLogger("fleetcache.warmup")
@@ -118,12 +118,7 @@ class Checkpoint:
 
     def save(self, rows: int) -> None:
         self.file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.file.with_suffix(".tmp")
-        with tmp.open("w") as out:
-            json.dump({**self.key, "rows": rows}, out)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, self.file)
+        replace_durably(self.file, json.dumps({**self.key, "rows": rows}).encode())
 
     def clear(self) -> None:
         self.file.unlink(missing_ok=True)
