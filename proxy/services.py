@@ -178,8 +178,15 @@ class Services:
         lane: str | None = None,
     ) -> tuple[int, EmbedResult]:
         """Embed (through the cache) and index; the index changes only if every text embedded.
-        ``texts``: the records' driver texts when the caller rendered them already."""
+        ``texts``: the records' driver texts when the caller rendered them already. A driver
+        given twice counts once, as its last record (the one the index keeps): the ones before
+        it are not embedded (they were: a GPU call each, and a vector cached that no driver
+        was linked to, never dropped)."""
         texts = texts if texts is not None else [driver_text(r) for r in records]
+        last = {r.driver_id: i for i, r in enumerate(records)}
+        if len(last) < len(records):
+            kept = sorted(last.values())
+            records, texts = [records[i] for i in kept], [texts[i] for i in kept]
         entities = [Entity("driver", r.driver_id, t) for r, t in zip(records, texts, strict=True)]
         result = await self.embed_entities(entities, caller, lane)
         started = time.perf_counter()

@@ -128,6 +128,24 @@ def test_an_entity_whose_features_change_has_its_previous_vector_dropped(
     assert embed(admin_client, [after])["misses"] == 1
 
 
+def test_a_driver_put_twice_in_one_request_is_upserted_once_as_its_last_record(
+    admin_client: TestClient, engine: FakeEngine
+) -> None:
+    """The index keeps a driver's last record; the record before it was embedded too (a GPU
+    call) and its vector stayed cached with no driver linked to it, never dropped."""
+    (driver,) = generate_fleet(1, seed=17)
+    first, last = driver_json(driver, service_score=2.2), driver_json(driver, service_score=4.4)
+    first_text = driver_text(DriverRecord.model_validate(first))
+    items = engine.items
+    put = admin_client.put("/v1/fleet/drivers", json={"drivers": [first, last]})
+    assert put.status_code == 200, put.text
+    assert put.json() == {"upserted": 1, "embedded": 1}
+    assert put.headers["X-Cache-Misses"] == "1" and engine.items == items + 1
+    stored = admin_client.get(f"/v1/fleet/drivers/{driver.driver_id}").json()
+    assert stored["profile"]["service_score"] == 4.4
+    assert text_misses(admin_client, first_text) == 1  # never computed, never cached
+
+
 def test_unknown_entity_is_404_and_bad_kind_is_422(admin_client: TestClient) -> None:
     response = admin_client.delete("/v1/cache/entities/driver/NOPE", headers=ADMIN)
     assert response.status_code == 404
