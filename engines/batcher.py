@@ -30,10 +30,9 @@ Threading model::
     warm-up items: a dispatch item that arrives after a warm-up batch was formed early waits
     for at most one more forward (that batch's), as without the overlap. Only full batches
     are formed early, so max_delay behaves as without it. The engine thread starting on a
-    batch frees a slot ahead: the loop's callback that counts it forms the next batch at
-    once (and wakes the worker for any after it), and the batch's outcome resolves the
-    requests in the loop's next turn: no task or wrapped future between (each layer cost a
-    turn, and a turn of the engine process's loop under 8 workers' load lasts milliseconds).
+    batch wakes the worker (a slot ahead is free), and its outcome resolves the requests in
+    the loop's next turn: no task or wrapped future between (each layer cost a turn, and a
+    turn of the engine process's loop under 8 workers' load lasts milliseconds).
 
     The engine thread takes a batch's slices when it starts on it, under a lock that the
     deadline timer takes too: a request that went away or expired before that moment is not
@@ -453,8 +452,13 @@ class Batcher:
                     await self._wait_for_more()
                     if batch := self._take():
                         self._hand_off(batch)
-                elif not self._form_ahead():  # idle, the engine has its next batches, or the
-                    # next is not full yet
+                elif (
+                    self._outstanding
+                    and len(self._waiting_engine) < AHEAD
+                    and (batch := self._take_ahead(not self._waiting_engine))
+                ):
+                    self._hand_off(batch, ahead=True)
+                else:  # idle, or the engine has its next batches, or the next is not full yet
                     await self._sleep()
         except Exception:  # a bug here must not leave waiters hanging: fail them below
             logger.exception("batcher worker crashed")
@@ -472,18 +476,6 @@ class Batcher:
     def _poke(self) -> None:
         if self._wake is not None and not self._wake.done():
             self._wake.set_result(None)
-
-    def _form_ahead(self) -> bool:
-        """Hand over a full batch ahead of the engine, if there is room ahead and one."""
-        worker = self._worker
-        if self._closed or worker is None or worker.done():
-            return False
-        if not self._outstanding or len(self._waiting_engine) >= AHEAD:
-            return False
-        batch = self._take_ahead(not self._waiting_engine)
-        if batch:
-            self._hand_off(batch, ahead=True)
-        return bool(batch)
 
     def _take_ahead(self, first: bool) -> list[_Slice]:
         """The next batch to tokenize while the engine runs, if it is full: of either lane
@@ -627,9 +619,8 @@ class Batcher:
             return live, exc
 
     def _sent(self, live: list[_Slice], now: float) -> None:
-        """On the event loop: the slices the engine thread started on, counted; the next batch
-        ahead formed at once (the worker's own turn would come a turn of the loop later: under
-        load, the device's next batch late), the worker woken for any after it."""
+        """On the event loop: the slices the engine thread started on, counted; the worker
+        may hand over the next batch."""
         self._poke()
         for request, start, stop in live:
             self._observe_wait(request.lane, now - request.submitted)
@@ -638,7 +629,6 @@ class Batcher:
                 self._notify(self.on_sent, request.tag, stop - start)
             else:
                 self._uncounted_items += stop - start
-        self._form_ahead()
 
     def _complete(self, key: int, batch: list[_Slice], outcome: _Result) -> None:
         """On the event loop: resolve the requests of a batch handed over, with its rows or

@@ -594,42 +594,6 @@ def test_two_full_batches_wait_on_the_engine_thread_and_run_with_the_loop_blocke
     run(test)
 
 
-def test_the_next_batch_ahead_is_handed_over_as_the_engine_thread_starts_on_one() -> None:
-    """The callback that counts a batch the engine thread started on also forms the next
-    batch ahead: under load, the worker task's own turn came a turn of the loop later, and a
-    device child ran dry meanwhile (2026-12-05, docs/BENCHMARKS.md)."""
-
-    async def test() -> None:
-        engine = ThreadRecordingEngine(hold=True)
-        async with Batcher(engine, max_batch_size=2) as batcher:
-            first = spawn(batcher.submit(["first"]))
-            await engine_busy(engine)
-            rest = [spawn(batcher.submit([text])) for text in "abcdef"]
-            await until(lambda: len(engine.tokenized_on) == 3 and batcher.queued == 6)
-            assert batcher.stats().batches == 3  # first, then a,b and c,d ahead; e,f queued
-            handed: list[int] = []  # batches handed over, as each count of a start returns
-            counted = batcher._sent
-
-            def sent(*args: Any) -> None:
-                counted(*args)
-                handed.append(batcher.stats().batches)
-
-            batcher._sent = sent  # type: ignore[method-assign]
-
-            def release_and_block() -> None:  # the loop is busy while the engine runs all 3
-                engine.release()
-                assert engine.ran(3, timeout=10)
-
-            asyncio.get_running_loop().call_soon(release_and_block)
-            results = await asyncio.gather(first, *rest)
-        assert handed[0] == 4, handed  # e,f handed over in a,b's count, not a turn later
-        assert engine.batches == [["first"], ["a", "b"], ["c", "d"], ["e", "f"]]
-        for text, vectors in zip("abcdef", results[1:], strict=True):
-            np.testing.assert_array_equal(vectors, engine.expected([text]))
-
-    run(test)
-
-
 class TurnsAfter:
     """The event loop's turns from the one after it is made: a callback that queues itself
     again runs once a turn, after the callbacks already queued for that turn."""
