@@ -158,10 +158,11 @@ def check_jsonl(path: str | os.PathLike[str]) -> None:
     Reads up to its first non-blank byte."""
     if file_format(path) != "jsonl":
         return
+    start = b""
     with open(path, "rb") as f:
-        while (chunk := f.read(4096)) and not (start := chunk.lstrip()):
-            pass
-    if chunk and start.removeprefix(b"\xef\xbb\xbf").startswith(b"["):
+        while not start and (chunk := f.read(4096)):
+            start = chunk.lstrip()
+    if start.removeprefix(b"\xef\xbb\xbf").startswith(b"["):
         raise ValueError(
             "it holds a JSON array; warm-up reads JSON Lines, one record a line (convert it "
             "with: jq -c '.[]' FILE > FILE.jsonl)"

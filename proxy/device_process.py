@@ -143,7 +143,8 @@ class DeviceProcessEngine(Engine):
         self._read_lock = threading.Lock()
         self._sent = 0
         self._answers: dict[tuple[int, int], list[zmq.Frame]] = {}
-        self._times = dict.fromkeys(TIMES + HAND_OFF, 0.0)  # summed over the answered batches
+        # TIMES summed over the answered batches; HAND_OFF over the batches it timed
+        self._times = dict.fromkeys(TIMES + HAND_OFF, 0.0)
         self._timed = 0  # batches answered with rows
         self._times_lock = threading.Lock()
         self._forward_at = 0.0  # when the engine thread last started on a batch (forming)
