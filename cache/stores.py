@@ -43,6 +43,7 @@ GiB = 1 << 30
 # entry that nothing points at (an entity's vector that ``forget`` could not find).
 POINTER_PREFIX = b"link:"
 LAYOUT_FILE = "partitions"  # how many partitions the directory was made with
+INLINE_READ_KEYS = 256  # an LMDB read of at most this many keys runs on the caller's thread
 _Bytes = bytes  # MemoryByteStore has a ``bytes`` property that shadows the builtin
 
 
@@ -232,7 +233,8 @@ class LmdbByteStore(CacheStore):
     open the same directory (the server and ``fleetcache warmup``): LMDB locks writers.
     A full map (``map_size``, shared by the partitions) makes writes raise
     ``lmdb.MapFullError``; TieredByteStore counts that as a store error and keeps serving.
-    Async forms run the call in a worker thread; ``amset``'s commits on ``write_executor``
+    Async forms run the call in a worker thread (``amget`` of a request's keys inline);
+    ``amset``'s commits on ``write_executor``
     when given (the engine process runs its write-backs below its serving threads:
     ``proxy.engine_host.shared_tier``). Keys are UTF-8; at most ``max_key_size`` (511) bytes.
     """
@@ -423,6 +425,13 @@ class LmdbByteStore(CacheStore):
                 after = chunk[-1]
 
     async def amget(self, keys: Sequence[str]) -> list[bytes | None]:
+        """A request's keys (up to ``INLINE_READ_KEYS``) are read on the caller's thread: a
+        read transaction over the memory map, ``getmulti`` in C, tens of microseconds from the
+        page cache, where a hop to a thread and back costs a busy worker's loop a GIL handover
+        each way (a miss's lookup 6.9 -> 0.2 ms on 2 cores, docs/BENCHMARKS.md). Larger reads
+        (a warm-up chunk's) go to a thread."""
+        if len(keys) <= INLINE_READ_KEYS:
+            return self.mget(keys)
         return await asyncio.to_thread(self.mget, keys)
 
     async def amset(self, key_value_pairs: Sequence[tuple[str, bytes]]) -> None:

@@ -13,7 +13,13 @@ import pytest
 from langchain_core.stores import ByteStore
 
 from cache import codec
-from cache.stores import LmdbByteStore, MemoryByteStore, TieredByteStore, build_store
+from cache.stores import (
+    INLINE_READ_KEYS,
+    LmdbByteStore,
+    MemoryByteStore,
+    TieredByteStore,
+    build_store,
+)
 from tests.test_cache import BrokenStore
 
 MiB = 1 << 20
@@ -181,6 +187,36 @@ def test_lmdb_without_fsync_still_works(tmp_path: Path) -> None:
     db.mset([("k", b"v")])
     assert db.mget(["k"]) == [b"v"]
     db.close()
+
+
+def test_lmdb_reads_a_requests_keys_on_the_callers_thread_and_a_large_read_in_another(
+    tmp_path: Path,
+) -> None:
+    """A request's lookup takes no hop to a thread and back (each a GIL handover behind a
+    busy worker's loop: a miss's lookup 6.9 ms against 0.2 inline on 2 cores); a read larger
+    than a request, which may fault pages in from the disk, does not hold the loop."""
+    db = LmdbByteStore(tmp_path / "db", 64 * MiB)
+    db.mset([("k", b"v")])
+    read_on: list[int] = []
+    mget = db.mget
+
+    def spy(keys: Sequence[str]) -> list[bytes | None]:
+        read_on.append(threading.get_ident())
+        return mget(keys)
+
+    db.mget = spy  # type: ignore[method-assign]
+
+    async def both() -> tuple[list[bytes | None], list[bytes | None]]:
+        small = await db.amget(["k", "x"])
+        large = await db.amget(["k"] * (INLINE_READ_KEYS + 1))
+        return small, large
+
+    small, large = asyncio.run(both())
+    db.close()
+    assert small == [b"v", None]
+    assert large == [b"v"] * (INLINE_READ_KEYS + 1)
+    assert read_on[0] == threading.get_ident()  # asyncio.run's loop runs on this thread
+    assert read_on[1] != threading.get_ident()
 
 
 PARTITIONED = [(f"t1-ns:{i:064x}", bytes([i % 251]) * 100) for i in range(400)]
