@@ -43,7 +43,9 @@ GiB = 1 << 30
 # entry that nothing points at (an entity's vector that ``forget`` could not find).
 POINTER_PREFIX = b"link:"
 LAYOUT_FILE = "partitions"  # how many partitions the directory was made with
-INLINE_READ_KEYS = 256  # an LMDB read of at most this many keys runs on the caller's thread
+INLINE_READ_KEYS = 256  # an LMDB read of at most this many keys runs on the caller's thread,
+SLOW_READ_S = 0.002  # unless one took longer than this (pages read from the disk) less than
+COLD_READ_BACKOFF_S = 1.0  # this long ago: ``LmdbByteStore.amget``
 _Bytes = bytes  # MemoryByteStore has a ``bytes`` property that shadows the builtin
 
 
@@ -312,6 +314,7 @@ class LmdbByteStore(CacheStore):
         self._scan_chunk = scan_chunk
         self._closed = False
         self._write_executor = write_executor
+        self._inline_after = 0.0  # time.monotonic() from which reads may run inline again
         # looked up at each commit: a subclass's or an instance's own ``_commit`` (tests hold it)
         self._grouped = GroupCommit(lambda items: self._commit(items), max_group)
 
@@ -428,11 +431,18 @@ class LmdbByteStore(CacheStore):
         """A request's keys (up to ``INLINE_READ_KEYS``) are read on the caller's thread: a
         read transaction over the memory map, ``getmulti`` in C, tens of microseconds from the
         page cache, where a hop to a thread and back costs a busy worker's loop a GIL handover
-        each way (a miss's lookup 6.9 -> 0.2 ms on 2 cores, docs/BENCHMARKS.md). Larger reads
-        (a warm-up chunk's) go to a thread."""
-        if len(keys) <= INLINE_READ_KEYS:
-            return self.mget(keys)
-        return await asyncio.to_thread(self.mget, keys)
+        each way (a miss's lookup 7.7-11.2 -> 0.2 ms on an H100 host, docs/BENCHMARKS.md).
+        Larger reads (a warm-up chunk's) go to a thread, and so does every read for
+        ``COLD_READ_BACKOFF_S`` after one that took over ``SLOW_READ_S`` (its pages came from
+        the disk, a cold cache after a restart: the loop's other requests do not wait for
+        them)."""
+        if len(keys) > INLINE_READ_KEYS or time.monotonic() < self._inline_after:
+            return await asyncio.to_thread(self.mget, keys)
+        started = time.perf_counter()
+        values = self.mget(keys)
+        if time.perf_counter() - started > SLOW_READ_S:
+            self._inline_after = time.monotonic() + COLD_READ_BACKOFF_S
+        return values
 
     async def amset(self, key_value_pairs: Sequence[tuple[str, bytes]]) -> None:
         """Group commit: writes that arrive while a transaction is being committed go in the

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -12,9 +13,8 @@ import numpy as np
 import pytest
 from langchain_core.stores import ByteStore
 
-from cache import codec
+from cache import codec, stores
 from cache.stores import (
-    INLINE_READ_KEYS,
     LmdbByteStore,
     MemoryByteStore,
     TieredByteStore,
@@ -189,34 +189,44 @@ def test_lmdb_without_fsync_still_works(tmp_path: Path) -> None:
     db.close()
 
 
-def test_lmdb_reads_a_requests_keys_on_the_callers_thread_and_a_large_read_in_another(
-    tmp_path: Path,
+def test_lmdb_reads_a_requests_keys_on_the_callers_thread_unless_large_or_from_the_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A request's lookup takes no hop to a thread and back (each a GIL handover behind a
-    busy worker's loop: a miss's lookup 6.9 ms against 0.2 inline on 2 cores); a read larger
-    than a request, which may fault pages in from the disk, does not hold the loop."""
+    busy worker's loop: a miss's lookup 7.7-11.2 ms against 0.2 inline on an H100 host). A
+    read larger than a request, and every read for a while after one slow enough to have
+    read its pages from the disk, go to a thread: the loop's other requests do not wait for
+    a cold cache."""
+    monkeypatch.setattr(stores, "SLOW_READ_S", 0.05)  # a loaded machine's slowest inline read
+    monkeypatch.setattr(stores, "COLD_READ_BACKOFF_S", 0.5)
     db = LmdbByteStore(tmp_path / "db", 64 * MiB)
     db.mset([("k", b"v")])
     read_on: list[int] = []
-    mget = db.mget
+    mget, delay = db.mget, [0.0]
 
     def spy(keys: Sequence[str]) -> list[bytes | None]:
         read_on.append(threading.get_ident())
+        time.sleep(delay[0])
         return mget(keys)
 
     db.mget = spy  # type: ignore[method-assign]
 
-    async def both() -> tuple[list[bytes | None], list[bytes | None]]:
-        small = await db.amget(["k", "x"])
-        large = await db.amget(["k"] * (INLINE_READ_KEYS + 1))
-        return small, large
+    async def reads() -> list[list[bytes | None]]:
+        found = [await db.amget(["k", "x"])]  # inline
+        found.append(await db.amget(["k"] * (stores.INLINE_READ_KEYS + 1)))  # a thread
+        delay[0] = stores.SLOW_READ_S * 2
+        found.append(await db.amget(["k"]))  # inline, and slow: a cold page
+        delay[0] = 0.0
+        found.append(await db.amget(["k"]))  # a thread, for the backoff
+        await asyncio.sleep(0.6)
+        found.append(await db.amget(["k"]))  # inline again
+        return found
 
-    small, large = asyncio.run(both())
+    found = asyncio.run(reads())
     db.close()
-    assert small == [b"v", None]
-    assert large == [b"v"] * (INLINE_READ_KEYS + 1)
-    assert read_on[0] == threading.get_ident()  # asyncio.run's loop runs on this thread
-    assert read_on[1] != threading.get_ident()
+    assert found == [[b"v", None], [b"v"] * (stores.INLINE_READ_KEYS + 1), [b"v"], [b"v"], [b"v"]]
+    loop_thread = threading.get_ident()  # asyncio.run's loop runs on this thread
+    assert [thread == loop_thread for thread in read_on] == [True, False, True, False, True]
 
 
 PARTITIONED = [(f"t1-ns:{i:064x}", bytes([i % 251]) * 100) for i in range(400)]
