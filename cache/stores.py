@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
 import threading
 import time
 import zlib
@@ -44,8 +45,15 @@ GiB = 1 << 30
 POINTER_PREFIX = b"link:"
 LAYOUT_FILE = "partitions"  # how many partitions the directory was made with
 INLINE_READ_KEYS = 256  # an LMDB read of at most this many keys runs on the caller's thread,
-SLOW_READ_S = 0.002  # unless one took longer than this (pages read from the disk) less than
-COLD_READ_BACKOFF_S = 1.0  # this long ago: ``LmdbByteStore.amget``
+COLD_READ_BACKOFF_S = 1.0  # unless one read pages from the disk less than this long ago
+_RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)  # Linux: this thread
+
+
+def _major_faults() -> int:
+    """Page faults of the calling thread that read the disk so far (0.6 us a call)."""
+    return resource.getrusage(_RUSAGE_THREAD).ru_majflt
+
+
 _Bytes = bytes  # MemoryByteStore has a ``bytes`` property that shadows the builtin
 
 
@@ -433,14 +441,16 @@ class LmdbByteStore(CacheStore):
         page cache, where a hop to a thread and back costs a busy worker's loop a GIL handover
         each way (a miss's lookup 7.7-11.2 -> 0.2 ms on an H100 host, docs/BENCHMARKS.md).
         Larger reads (a warm-up chunk's) go to a thread, and so does every read for
-        ``COLD_READ_BACKOFF_S`` after one that took over ``SLOW_READ_S`` (its pages came from
-        the disk, a cold cache after a restart: the loop's other requests do not wait for
-        them)."""
+        ``COLD_READ_BACKOFF_S`` after one that took a major page fault (its pages came from
+        the disk: a cold cache after a restart), so that the loop's other requests do not
+        wait for the disk. Faults, not time: a read's time on a busy machine is mostly its
+        thread waiting for a core (a 2 ms bound sent most reads of 2 loaded cores to a
+        thread)."""
         if len(keys) > INLINE_READ_KEYS or time.monotonic() < self._inline_after:
             return await asyncio.to_thread(self.mget, keys)
-        started = time.perf_counter()
+        faults = _major_faults()
         values = self.mget(keys)
-        if time.perf_counter() - started > SLOW_READ_S:
+        if _major_faults() > faults:
             self._inline_after = time.monotonic() + COLD_READ_BACKOFF_S
         return values
 

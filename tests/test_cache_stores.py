@@ -194,19 +194,22 @@ def test_lmdb_reads_a_requests_keys_on_the_callers_thread_unless_large_or_from_t
 ) -> None:
     """A request's lookup takes no hop to a thread and back (each a GIL handover behind a
     busy worker's loop: a miss's lookup 7.7-11.2 ms against 0.2 inline on an H100 host). A
-    read larger than a request, and every read for a while after one slow enough to have
-    read its pages from the disk, go to a thread: the loop's other requests do not wait for
-    a cold cache."""
-    monkeypatch.setattr(stores, "SLOW_READ_S", 0.05)  # a loaded machine's slowest inline read
+    read larger than a request, and every read for a while after one that faulted pages in
+    from the disk, go to a thread: the loop's other requests do not wait for a cold cache.
+    A read that is only slow (its thread waiting for a core) changes nothing."""
     monkeypatch.setattr(stores, "COLD_READ_BACKOFF_S", 0.5)
+    faults = [0]
+    monkeypatch.setattr(stores, "_major_faults", lambda: faults[0])
     db = LmdbByteStore(tmp_path / "db", 64 * MiB)
     db.mset([("k", b"v")])
     read_on: list[int] = []
-    mget, delay = db.mget, [0.0]
+    mget, cold, slow = db.mget, [False], [False]
 
     def spy(keys: Sequence[str]) -> list[bytes | None]:
         read_on.append(threading.get_ident())
-        time.sleep(delay[0])
+        faults[0] += cold[0]  # a page read from the disk
+        if slow[0]:
+            time.sleep(0.05)
         return mget(keys)
 
     db.mget = spy  # type: ignore[method-assign]
@@ -214,9 +217,11 @@ def test_lmdb_reads_a_requests_keys_on_the_callers_thread_unless_large_or_from_t
     async def reads() -> list[list[bytes | None]]:
         found = [await db.amget(["k", "x"])]  # inline
         found.append(await db.amget(["k"] * (stores.INLINE_READ_KEYS + 1)))  # a thread
-        delay[0] = stores.SLOW_READ_S * 2
-        found.append(await db.amget(["k"]))  # inline, and slow: a cold page
-        delay[0] = 0.0
+        slow[0] = True
+        found.append(await db.amget(["k"]))  # inline, slow but from memory
+        slow[0], cold[0] = False, True
+        found.append(await db.amget(["k"]))  # inline, cold
+        cold[0] = False
         found.append(await db.amget(["k"]))  # a thread, for the backoff
         await asyncio.sleep(0.6)
         found.append(await db.amget(["k"]))  # inline again
@@ -224,9 +229,11 @@ def test_lmdb_reads_a_requests_keys_on_the_callers_thread_unless_large_or_from_t
 
     found = asyncio.run(reads())
     db.close()
-    assert found == [[b"v", None], [b"v"] * (stores.INLINE_READ_KEYS + 1), [b"v"], [b"v"], [b"v"]]
+    large = [b"v"] * (stores.INLINE_READ_KEYS + 1)
+    assert found == [[b"v", None], large, [b"v"], [b"v"], [b"v"], [b"v"]]
     loop_thread = threading.get_ident()  # asyncio.run's loop runs on this thread
-    assert [thread == loop_thread for thread in read_on] == [True, False, True, False, True]
+    inline = [thread == loop_thread for thread in read_on]
+    assert inline == [True, False, True, True, False, True]
 
 
 PARTITIONED = [(f"t1-ns:{i:064x}", bytes([i % 251]) * 100) for i in range(400)]
