@@ -243,10 +243,10 @@ class LmdbByteStore(CacheStore):
     open the same directory (the server and ``fleetcache warmup``): LMDB locks writers.
     A full map (``map_size``, shared by the partitions) makes writes raise
     ``lmdb.MapFullError``; TieredByteStore counts that as a store error and keeps serving.
-    Async forms run the call in a worker thread (``amget`` of a request's keys inline);
-    ``amset``'s commits on ``write_executor``
-    when given (the engine process runs its write-backs below its serving threads:
-    ``proxy.engine_host.shared_tier``). Keys are UTF-8; at most ``max_key_size`` (511) bytes.
+    Async forms run the call in a worker thread (``amget`` of a request's keys inline),
+    ``amset``'s commits on ``write_executor`` when given (the engine process runs its
+    write-backs below its serving threads: ``proxy.engine_host.shared_tier``). Keys are
+    UTF-8; at most ``max_key_size`` (511) bytes.
     """
 
     kind: ClassVar[str] = "lmdb"

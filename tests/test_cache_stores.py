@@ -14,12 +14,7 @@ import pytest
 from langchain_core.stores import ByteStore
 
 from cache import codec, stores
-from cache.stores import (
-    LmdbByteStore,
-    MemoryByteStore,
-    TieredByteStore,
-    build_store,
-)
+from cache.stores import LmdbByteStore, MemoryByteStore, TieredByteStore, build_store
 from tests.test_cache import BrokenStore
 
 MiB = 1 << 20
