@@ -223,19 +223,32 @@ async def _index(spec: ChildSpec) -> None:
 # -- HTTP workers --------------------------------------------------------------------------
 
 
+SERVING_DIR = "serving"  # of the run directory: a worker's mark, named by its pid
+
+
+def serving_mark(run_dir: Path, pid: int) -> Path:
+    """The file a worker makes once its socket listens: the supervisor's health port counts
+    it live from then on (its process alone says nothing of its socket)."""
+    return run_dir / SERVING_DIR / str(pid)
+
+
 class LateSocket:
     """The worker's listening socket, bound only when uvicorn asks for it: after the app's
     lifespan started, which waits for the engine and the index when the worker is told to.
     (SO_REUSEPORT: binding is joining the port; until then the kernel sends the connections
-    to the workers already serving.)"""
+    to the workers already serving.) Once it listens, the worker's ``serving_mark``."""
 
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
+    def __init__(self, host: str, port: int, run_dir: Path) -> None:
+        self.host, self.port, self.run_dir = host, port, run_dir
 
     def __iter__(self) -> Iterator[socket.socket]:
         from proxy.supervisor import bind_socket
 
-        yield bind_socket(self.host, self.port)
+        sock = bind_socket(self.host, self.port)
+        mark = serving_mark(self.run_dir, os.getpid())
+        mark.parent.mkdir(exist_ok=True)
+        mark.touch()
+        yield sock
 
 
 def worker_main(spec: ChildSpec, host: str, port: int, serve_at_once: bool) -> None:
@@ -255,7 +268,8 @@ def worker_main(spec: ChildSpec, host: str, port: int, serve_at_once: bool) -> N
         log_config=None,
         http=BoundedHeadProtocol,
     )
-    uvicorn.Server(config).run(sockets=LateSocket(host, port))  # type: ignore[arg-type]
+    sockets = LateSocket(host, port, Path(spec.run_dir))
+    uvicorn.Server(config).run(sockets=sockets)  # type: ignore[arg-type]
 
 
 # -- the demo fleet ------------------------------------------------------------------------

@@ -58,6 +58,7 @@ from proxy.processes import (
     engine_main,
     index_main,
     read_engine_info,
+    serving_mark,
     worker_main,
 )
 from proxy.settings import MAX_DEVICES, Settings
@@ -137,6 +138,7 @@ class Slot:
     board_slot: int
     start: Callable[[], BaseProcess]
     process: BaseProcess | None = None
+    pid: int = 0  # the running process's (0: none), readable from another thread
     restarts: int = 0
     started_at: float = 0.0
     backoff_s: float = 0.0
@@ -159,11 +161,11 @@ class Supervisor:
         self._ctx = multiprocessing.get_context("spawn")
         self._stopping = False
         self.slots: list[Slot] = []
-        self.live_workers = 0  # set by the watch loop, read by the health port's thread
+        self._run_dir: Path | None = None
         self._health: http.server.ThreadingHTTPServer | None = None
 
     def run(self) -> int:
-        run_dir = Path(tempfile.mkdtemp(prefix="fleetcache-"))
+        run_dir = self._run_dir = Path(tempfile.mkdtemp(prefix="fleetcache-"))
         self._run_name = run_dir.name
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
         for sig in previous:
@@ -279,17 +281,15 @@ class Supervisor:
             do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = _refuse
 
             def _health(self) -> tuple[int, dict[str, Any]]:
-                body: dict[str, Any]
                 if self.path.partition("?")[0] != "/healthz":
                     message = f"{self.path}: the health port answers GET /healthz only"
                     error = {"type": "not_found", "message": message, "param": None}
-                    code, body = 404, {"error": error}
-                elif supervisor._stopping or not supervisor.live_workers:
+                    return 404, {"error": error}
+                live = supervisor.live_workers()
+                if supervisor._stopping or not live:
                     reason = "stopping" if supervisor._stopping else "no live worker"
-                    code, body = 503, {"status": reason, "workers": supervisor.live_workers}
-                else:
-                    code, body = 200, {"status": "ok", "workers": supervisor.live_workers}
-                return code, body
+                    return 503, {"status": reason, "workers": live}
+                return 200, {"status": "ok", "workers": live}
 
             def _answer(
                 self, code: int, body: dict[str, Any], with_body: bool = True, allow: str = ""
@@ -316,6 +316,17 @@ class Supervisor:
         log.info("health port: http://%s:%d/healthz", self.host, port)
         return server
 
+    def live_workers(self) -> int:
+        """Workers whose process runs and whose socket listens (``serving_mark``): read by
+        the health port's thread at each probe."""
+        run_dir = self._run_dir
+        if run_dir is None:
+            return 0
+        return sum(
+            s.role == "worker" and (pid := s.pid) > 0 and serving_mark(run_dir, pid).exists()
+            for s in list(self.slots)
+        )
+
     def _watch(self, board: Board, index: Slot, demo: Slot | None) -> None:
         while not self._stopping:
             sentinels = [s.process.sentinel for s in self.slots if s.process is not None]
@@ -332,9 +343,6 @@ class Supervisor:
                         break
                     slot.restarts += slot.role != "job"
                     self._start(slot, board)
-            self.live_workers = sum(
-                s.role == "worker" and s.process is not None for s in self.slots
-            )
 
     def _worker_start(self, spec: ChildSpec, slot: Slot) -> Callable[[], BaseProcess]:
         def start() -> BaseProcess:
@@ -350,8 +358,10 @@ class Supervisor:
         process = slot.process
         assert process is not None
         code = process.exitcode
+        if self._run_dir is not None:  # its pid may come again: no mark may wait for it
+            serving_mark(self._run_dir, slot.pid).unlink(missing_ok=True)
         process.close()
-        slot.process = None
+        slot.process, slot.pid = None, 0
         if slot.role == "job" and code == 0:
             slot.wanted = False  # done
             log.info("demo fleet loaded")
@@ -372,7 +382,7 @@ class Supervisor:
         process = slot.start()
         with environment(slot.env):
             process.start()
-        slot.process, slot.started_at = process, time.monotonic()
+        slot.process, slot.pid, slot.started_at = process, process.pid or 0, time.monotonic()
         if slot.board_slot >= 0:
             board.process(slot.board_slot, process.pid or 0, slot.restarts)
 
@@ -404,7 +414,7 @@ class Supervisor:
                     log.warning("%s pid %s did not stop in time: killed", role, process.pid)
                     process.kill()
                     process.join(5)
-                slot.process = None
+                slot.process, slot.pid = None, 0
 
 
 @contextlib.contextmanager

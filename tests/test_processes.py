@@ -669,6 +669,35 @@ def test_the_health_port_answers_from_the_supervisor(tmp_path: Path) -> None:
         httpx.get(f"{health}/healthz", timeout=2)
 
 
+def test_the_health_port_counts_a_restarted_worker_once_it_takes_connections(
+    tmp_path: Path,
+) -> None:
+    """After a worker's kill -9 the health port counted its replacement live from the
+    moment its process started, about 1.7 s before it bound the port: with one worker, a
+    probe said ok while the main port refused every connection. A worker counts once its
+    socket listens."""
+    port = free_port()
+    with FleetcacheServer(tmp_path, workers=1, health_port=port) as server:
+        victim = server.pids()["workers"][0]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        time.sleep(0.2)  # the supervisor has seen it die (it waits on the process's sentinel)
+        said: list[tuple[int, bool]] = []  # (health port status, main port took the connection)
+        deadline = time.monotonic() + 30
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as health:
+            while sum(code == 200 for code, _ in said) < 5:
+                assert time.monotonic() < deadline, f"no replacement counted live in 30 s: {said}"
+                code = health.get("/healthz").status_code
+                try:
+                    httpx.get(f"{server.url}/healthz", timeout=5)  # a new connection each time
+                    taken = True
+                except httpx.ConnectError:
+                    taken = False
+                said.append((code, taken))
+                time.sleep(0.01)
+        assert (503, False) in said  # the replacement was not serving yet, and said so
+        assert (200, False) not in said, said
+
+
 def test_a_health_port_in_use_stops_the_start_naming_it(tmp_path: Path) -> None:
     import socket
 
