@@ -3,6 +3,7 @@
 # which session ran what). Two calls back to back on one warm machine (it keeps /tmp about 30 s):
 #   1. carry [".whl"]:      bash bench/h200.sh install     (the proxy's wheels into /tmp/site)
 #   2. carry [".gpumodel", ".gpuwrk"]:  bash bench/h200.sh serve   (writes under $OUT)
+#      (or, carrying an older checkout too: bash bench/h200.sh serve-ab OLD_DIR ROUNDS ...)
 #      (or: bash bench/h200.sh index, which needs neither: recommend's device pass)
 # Prepared here: ../shared/scripts/gpu-wheels fastapi uvicorn httptools langchain-core
 #   langchain-classic llama-index-core faiss-cpu lmdb redis orjson pydantic-settings pyzmq msgspec
@@ -21,6 +22,24 @@ case "${1:-}" in
     shift
     python3 -m bench.serve_bench --engine torch --device cuda --model "$MODEL" \
       --wrk .gpuwrk/usr/bin/wrk --out "$OUT/serve" "$@" 2>&1 | tee "$OUT/serve_bench.txt" ;;
+  serve-ab)  # serve in turns, OLD (another checkout: git archive into an ignored dir) then
+    # this one, ROUNDS times, each on a fresh server: $OUT/<round>-old|new; then one line a
+    # run (the all-miss row, the job's row) and the warm-up inputs dropped (they are large)
+    old=${2:?usage: bash bench/h200.sh serve-ab OLD_DIR ROUNDS [serve_bench options]}
+    rounds=${3:?usage: bash bench/h200.sh serve-ab OLD_DIR ROUNDS [serve_bench options]}
+    shift 3
+    root=$OUT
+    for round in $(seq 1 "$rounds"); do
+      for label in old new; do
+        code=(); [ "$label" = old ] && code=(--code "$old")
+        mkdir -p "$root/$round-$label"
+        OUT=$root/$round-$label bash "$0" serve "$@" "${code[@]}" > /dev/null 2>&1 || true
+        rm -f "$root/$round-$label"/serve/*.jsonl
+        echo "== round $round, $label ($(date -u +%H:%M:%S) UTC)"
+        grep -E "batcher alone|^\| [0-9]+ workers \| [0-9.]+ \||child over" \
+          "$root/$round-$label/serve_bench.txt" | cut -c1-600 || echo "(no result)"
+      done
+    done ;;
   recommend)
     shift
     python3 -m bench.recommend_bench --wrk .gpuwrk/usr/bin/wrk --out "$OUT/recommend" "$@" 2>&1 \
@@ -47,6 +66,6 @@ case "${1:-}" in
   tests)
     FLEETCACHE_GPU_MODEL=$MODEL python3 -m pytest -q -p no:cacheprovider -W ignore::UserWarning \
       -W ignore::DeprecationWarning -W ignore::FutureWarning tests/test_gpu_torch.py ;;
-  *) echo "usage: bench/h200.sh install | serve [serve_bench options] | recommend [options] | index | pass-ab OLD_DIR | tests" >&2
+  *) echo "usage: bench/h200.sh install | serve [serve_bench options] | serve-ab OLD_DIR ROUNDS [options] | recommend [options] | index | pass-ab OLD_DIR | tests" >&2
      exit 2 ;;
 esac
