@@ -23,8 +23,9 @@ case "${1:-}" in
     python3 -m bench.serve_bench --engine torch --device cuda --model "$MODEL" \
       --wrk .gpuwrk/usr/bin/wrk --out "$OUT/serve" "$@" 2>&1 | tee "$OUT/serve_bench.txt" ;;
   serve-ab)  # serve in turns, OLD (another checkout: git archive into an ignored dir) then
-    # this one, ROUNDS times, each on a fresh server: $OUT/<round>-old|new; then one line a
-    # run (the all-miss row, the job's row) and the warm-up inputs dropped (they are large)
+    # this one, ROUNDS times, each on a fresh server: $OUT/<round>-old|new, the warm-up inputs
+    # dropped (they are large); prints each run's batcher-alone line, table rows and the
+    # device child's account
     old=${2:?usage: bash bench/h200.sh serve-ab OLD_DIR ROUNDS [serve_bench options]}
     rounds=${3:?usage: bash bench/h200.sh serve-ab OLD_DIR ROUNDS [serve_bench options]}
     shift 3
