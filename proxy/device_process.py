@@ -440,11 +440,15 @@ def device_main(kind: str, options: dict[str, Any], name: str, log_level: str) -
         "tokenizer": None if fast is None else [str(fast.path.parent), fast.max_seq_length],
         "seq_buckets": list(getattr(engine, "seq_buckets", None) or ()) or None,
     }
-    back.send(msgspec.msgpack.encode(ready))
     # (seq, the padded batch or its failure, when it was sent, when its frames came, when it
     # was padded)
     tokenized: queue.SimpleQueue[tuple[bytes, Batch | Exception, float, float, float]]
     tokenized = queue.SimpleQueue()
+    # when the loop was last free: a batch padded after it found the loop starved (the first
+    # always: no batch is sent before ``ready``, though the thread may pad it before the loop's
+    # first turn)
+    idle = time.perf_counter()
+    back.send(msgspec.msgpack.encode(ready))
 
     def receive() -> None:
         while True:
@@ -464,8 +468,6 @@ def device_main(kind: str, options: dict[str, Any], name: str, log_level: str) -
 
     threading.Thread(target=receive, name="device-tokenizer", daemon=True).start()
     while True:
-        starved = tokenized.empty()
-        idle = time.perf_counter()
         seq, batch, sent, came, padded = tokenized.get()
         start = time.perf_counter()
         try:
@@ -474,13 +476,16 @@ def device_main(kind: str, options: dict[str, Any], name: str, log_level: str) -
             rows = np.ascontiguousarray(engine.postprocess(engine.forward(batch), batch), "<f4")
         except Exception as exc:
             back.send_multipart([seq, msgspec.msgpack.encode(_error(exc))])
+            idle = time.perf_counter()
             continue
-        # TIMES: a starved loop's wait counts from its last answer (from its start: the first)
+        # TIMES: a starved loop's wait counts from its last answer (from ``ready``: the first)
+        starved = padded > idle
         late = min(start - idle, max(0.0, sent - idle)) if starved else 0.0
         forward = time.perf_counter() - start
         times = (starved, start - idle, start - padded, padded - came, forward, came - sent, late)
         header = msgspec.msgpack.encode({"shape": rows.shape, "t": times, "d": time.perf_counter()})
         back.send_multipart([seq, header, rows.data], copy=False)
+        idle = time.perf_counter()
 
 
 def _error(exc: Exception) -> dict[str, str]:
