@@ -123,7 +123,7 @@ def test_batches_form_within_the_token_budget_and_reach_the_child_ahead(tmp_path
     settings = Settings(
         engine="fake",
         device_process="on",
-        fake_delay_ms=50,
+        fake_delay_ms=100,  # the time to send the next one ahead: 50 was short once on 2 busy cores
         max_batch_size=256,
         data_dir=tmp_path,
         store="lmdb",
