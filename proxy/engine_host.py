@@ -177,6 +177,7 @@ class EngineHost:
             on_settled=self.publish,  # the in-flight gauge, once written back
             max_unwritten=settings.max_unwritten if writer is not None else None,
             own_rows=True,  # each request's rows are its own (``Batcher.submit``)
+            hands_rows=True,  # its callers resume as the batch's answer comes
         )
 
     def _queue_wait(self, lane: str, seconds: float) -> None:
@@ -199,9 +200,11 @@ class EngineHost:
         self.stats.record(caller, 0, 0, count, 0.0)
         self.publish()
 
-    async def _compute(self, texts: Sequence[str], lane: str) -> Vectors:
+    async def _compute(
+        self, texts: Sequence[str], lane: str, on_rows: Callable[[Vectors], None] | None = None
+    ) -> Vectors:
         deadline = deadline_after(self._deadlines_ms[lane])
-        return await self.batcher.submit(texts, lane, deadline, tag=_CALLER.get())
+        return await self.batcher.submit(texts, lane, deadline, tag=_CALLER.get(), on_rows=on_rows)
 
     def _own_keys(self, keys: Sequence[str]) -> bool:
         """Whether each of ``keys`` is a string of this engine's namespace (one C call a key:
