@@ -673,7 +673,7 @@ class RemoteEngine:
             del self._open[group]
         outcome: Flown | BaseException
         try:
-            outcome = await self._send(merged, merged.parts)
+            outcome = await self._send(merged, merged.parts)  # its callers answered as it came
         except BatchError as exc:  # failed by what it held: each caller's part alone (as
             if len(merged.parts) > 1:  # the batcher does), only those whose texts fail fail
                 await asyncio.gather(*(self._alone(merged, part) for part in merged.parts))
@@ -688,19 +688,32 @@ class RemoteEngine:
 
     async def _alone(self, merged: _Merged, part: _Part) -> None:
         try:
-            outcome = await self._send(merged, [part])
+            await self._send(merged, [part], offset=part.start)
         except BaseException as exc:
             _answer(part, exc)
             if not isinstance(exc, Exception):
                 raise
-        else:
-            _answer(part, outcome, offset=part.start)
 
-    async def _send(self, merged: _Merged, parts: Sequence[_Part]) -> Flown:
-        """One engine call of ``parts`` of ``merged`` (its lane, caller and durability)."""
+    async def _send(self, merged: _Merged, parts: Sequence[_Part], offset: int = 0) -> Flown:
+        """One engine call of ``parts`` of ``merged`` (its lane, caller and durability),
+        whose first text is the merged call's text ``offset``. Its rows answer each caller
+        as they arrive, in the socket's callback: a turn of the loop before this returns."""
         arguments = _call_arguments(parts)
         tokens, blobs = self._token_ids(arguments["texts"])
         started = time.perf_counter()
+        flown: list[Flown] = []
+
+        def read(reply: Msg, frames: Frames) -> Flown:
+            rows = frame_rows(frames[0], self.info.dim)
+            return Flown(rows, [bool(c) for c in reply["coalesced"]])
+
+        def arrived(reply: Msg, frames: Frames) -> None:
+            if self._on_call is not None:
+                self._on_call(time.perf_counter() - started)
+            flown.append(read(reply, frames))
+            for part in parts:
+                _answer(part, flown[0], offset)
+
         reply, frames = await self.client.call(
             "embed",
             blobs,
@@ -709,10 +722,9 @@ class RemoteEngine:
             lane=merged.lane,
             caller=merged.caller,
             durable=merged.durable,
+            on_reply=arrived,
         )
-        if self._on_call is not None:
-            self._on_call(time.perf_counter() - started)
-        return Flown(frame_rows(frames[0], self.info.dim), [bool(c) for c in reply["coalesced"]])
+        return flown[0] if flown else read(reply, frames)  # raises what ``arrived`` met
 
     def health(self) -> EngineHealth:
         if not self.client.up:
