@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import zmq
 
-from cache.flight import Flown, Since, SingleFlight, Vectors
+from cache.flight import Flown, OnRows, Since, SingleFlight, Vectors
 from cache.stores import TieredByteStore
 from cache.writer import VectorWriter
 from engines.base import BatchError, Engine, EngineInfo
@@ -200,9 +200,7 @@ class EngineHost:
         self.stats.record(caller, 0, 0, count, 0.0)
         self.publish()
 
-    async def _compute(
-        self, texts: Sequence[str], lane: str, on_rows: Callable[[Vectors], None] | None = None
-    ) -> Vectors:
+    async def _compute(self, texts: Sequence[str], lane: str, on_rows: OnRows) -> Vectors:
         deadline = deadline_after(self._deadlines_ms[lane])
         return await self.batcher.submit(texts, lane, deadline, tag=_CALLER.get(), on_rows=on_rows)
 

@@ -17,7 +17,7 @@ from engines.base import BatchError, QueueFullError
 from engines.fake import FakeEngine
 from proxy.board import Board
 from proxy.engine_host import MERGED_TEXTS, RemoteEngine, engine_handlers, open_engine_host
-from proxy.ipc import RpcClient, RpcServer, _decode, _encode, rows_frame
+from proxy.ipc import RpcClient, RpcServer, _decode, _encode
 from proxy.settings import Settings
 from tests.test_batcher import TurnsAfter
 
@@ -282,8 +282,7 @@ def test_a_caller_resumes_in_the_turn_after_its_engine_call_s_answer_arrives(
         return {}, ()
 
     async def rows(message: dict[str, Any], blobs: list[Any]) -> tuple[dict[str, Any], list[Any]]:
-        reply, frames = await fake_rows(dim)(message)
-        return reply, [rows_frame(np.frombuffer(frames[0], "<f4").reshape(-1, dim))]
+        return await fake_rows(dim)(message)
 
     async def scenario() -> list[int]:
         server = RpcServer(address, {"ping": ping, "embed": rows})
