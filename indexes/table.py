@@ -308,7 +308,11 @@ class FleetTable:
     def update_driver(
         self, driver_id: str, *, position: Position | None = None, status: str | None = None
     ) -> DriverRecord:
-        """Move a driver and/or change its status: no vector work. KeyError if unknown."""
+        """Move a driver and/or change its status: no vector work. KeyError if unknown.
+
+        A position whose time is older than the driver's stored time is stale (telemetry
+        arrives out of order, as ``move`` says) and the whole update is ignored, its status
+        too: the stored record comes back unchanged. A position without a time applies."""
         if status is not None and status not in _STATUS_CODE:
             raise ValueError(f"status must be one of {', '.join(_STATUS_CODE)}, got {status!r}")
         if position is not None and type(position) is not Position:
@@ -319,6 +323,9 @@ class FleetTable:
                 raise KeyError(driver_id)
             record = self._record(slot)
             cols = self._cols
+            at = None if position is None or position.ts is None else timestamp_us(position.ts)
+            if at is not None and at < cols.ts[slot]:  # stale: see above
+                return record
             changes: dict[str, Any] = {}
             if position is not None:
                 cols.lat[slot], cols.lng[slot] = position.lat, position.lng

@@ -1,6 +1,7 @@
 """``PATCH /v1/fleet/positions`` (API.md v1.1 "Fleet positions in bulk"): many drivers moved
 in one request, out-of-order times ignored as ``stale``, unknown drivers listed, bad rows a 422
-naming the field with nothing changed, every applied batch durable across a restart."""
+naming the field with nothing changed, every applied batch durable across a restart; and the
+same stale rule on the single ``PATCH /v1/fleet/drivers/{id}``."""
 
 from __future__ import annotations
 
@@ -52,6 +53,32 @@ def test_a_batch_moves_drivers_and_counts_stale_and_unknown(client: TestClient) 
     assert position(client, a)[:2] == (52.1, 13.1)
     assert position(client, b)[:2] == (52.25, 13.25)
     assert client.get(f"/v1/fleet/drivers/{c}").json()["status"] == "busy"
+
+
+def test_a_single_patch_older_than_the_stored_position_is_ignored_whole(
+    client: TestClient,
+) -> None:
+    """The bulk route's rule on the single route: a late position (and the status sent with
+    it) changes nothing, the answer is the stored record, and says so in ``X-Fleet-Stale``."""
+    a = load(client)[0]
+    url = f"/v1/fleet/drivers/{a}"
+    newer = client.patch(url, json={"position": {"lat": 52.1, "lng": 13.1, "ts": T1}})
+    assert newer.status_code == 200 and newer.headers["X-Fleet-Stale"] == "0"
+    assert position(client, a) == (52.1, 13.1, "2026-12-01T08:00:10Z")
+
+    late = {"position": {"lat": 50.0, "lng": 10.0, "ts": T0}, "status": "offline"}
+    answer = client.patch(url, json=late)
+    assert answer.status_code == 200 and answer.headers["X-Fleet-Stale"] == "1"
+    stored = client.get(url).json()
+    assert answer.json() == stored
+    assert stored["status"] != "offline"
+    assert position(client, a) == (52.1, 13.1, "2026-12-01T08:00:10Z")
+
+    same = client.patch(url, json={"position": {"lat": 52.2, "lng": 13.2, "ts": T1}})
+    assert same.headers["X-Fleet-Stale"] == "0"  # the same time applies
+    untimed = client.patch(url, json={"position": {"lat": 52.3, "lng": 13.3}})
+    assert untimed.headers["X-Fleet-Stale"] == "0"  # a position without a time applies
+    assert position(client, a) == (52.3, 13.3, None)
 
 
 def test_a_moved_driver_is_recommended_at_its_new_place(client: TestClient) -> None:

@@ -163,6 +163,24 @@ def test_stale_equal_newer_and_untimed_drivers() -> None:
     assert rec is not None and rec.position.lat == lat
 
 
+def test_a_single_update_older_than_the_stored_time_changes_nothing() -> None:
+    """``update_driver`` (the single PATCH) keeps ``move``'s rule: a late position is
+    ignored with the status sent beside it; an equal time or no time applies."""
+    table = FleetTable(DIM)
+    rec = timed(driver(1), 10.0)
+    table.upsert_drivers([rec], quantized_unit(1)[None])
+    lat, lng = SHANGHAI[0] + 0.01, SHANGHAI[1]
+    late = table.update_driver(
+        "D001", position=Position(lat=lat, lng=lng, ts=at(9.0)), status="busy"
+    )
+    assert late == rec == table.get_driver("D001")
+    same = table.update_driver("D001", position=Position(lat=lat, lng=lng, ts=at(10.0)))
+    assert same.position.lat == lat and table.get_driver("D001") == same
+    untimed = table.update_driver("D001", position=Position(lat=lat + 0.01, lng=lng))
+    assert untimed.position == Position(lat=lat + 0.01, lng=lng)
+    assert table.update_driver("D001", status="busy").status == "busy"
+
+
 def test_several_rows_for_one_driver_the_newest_wins_ties_the_last() -> None:
     table = FleetTable(DIM)
     table.upsert_drivers([driver(1), driver(2)], np.stack([quantized_unit(1), quantized_unit(2)]))

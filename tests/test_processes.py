@@ -188,9 +188,16 @@ def test_a_patch_through_one_worker_is_seen_by_recommends_through_all(
     server: FleetcacheServer,
 ) -> None:
     driver_id = "D000007"
-    moved = {"position": {"lat": -47.5, "lng": -120.25}, "status": "available"}  # open ocean
+    at = "2026-12-01T08:00:10Z"
+    moved = {"position": {"lat": -47.5, "lng": -120.25, "ts": at}, "status": "available"}  # ocean
+    late = {"position": {"lat": 10.0, "lng": 10.0, "ts": "2026-12-01T08:00:00Z"}, "status": "busy"}
     with httpx.Client(base_url=server.url, timeout=30) as client:
-        assert client.patch(f"/v1/fleet/drivers/{driver_id}", json=moved).status_code == 200
+        answer = client.patch(f"/v1/fleet/drivers/{driver_id}", json=moved)
+        assert answer.status_code == 200 and answer.headers["X-Fleet-Stale"] == "0"
+        # older than the stored position, through whichever worker: ignored whole
+        answer = client.patch(f"/v1/fleet/drivers/{driver_id}", json=late)
+        assert answer.status_code == 200 and answer.headers["X-Fleet-Stale"] == "1"
+        assert answer.json()["position"] == {"lat": -47.5, "lng": -120.25, "ts": at}
     order = {"order_id": "O1", "pickup": {"lat": -47.5, "lng": -120.25}, "radius_km": 1}
     with ThreadPoolExecutor(20) as pool:
         answers = list(

@@ -3,7 +3,9 @@ and ``PATCH /v1/fleet/positions``.
 
 Only ``PUT`` embeds (through the cache); the ``PATCH`` routes move drivers or change their
 status in the index without any inference. A bulk position older than the driver's stored one
-is ignored and counted ``stale``: telemetry arrives out of order, and across replicas.
+is ignored and counted ``stale``: telemetry arrives out of order, and across replicas. A single
+``PATCH`` with such a position is ignored whole (its status too), as a bulk row is: it answers
+the stored record, with ``X-Fleet-Stale: 1`` (0 when applied).
 """
 
 from __future__ import annotations
@@ -90,16 +92,16 @@ async def get_driver(driver_id: Identifier, services: ServicesDep) -> dict[str, 
 
 
 @router.patch("/v1/fleet/drivers/{driver_id:path}")
-async def patch_driver(
-    driver_id: Identifier, body: DriverPatch, services: ServicesDep
-) -> dict[str, Any]:
+async def patch_driver(driver_id: Identifier, body: DriverPatch, services: ServicesDep) -> Response:
     if body.position is None and body.status is None:
         raise APIError(422, "send position, status or both", param="position")
     try:
         record = await services.update_driver(driver_id, position=body.position, status=body.status)
     except KeyError:
         raise unknown_driver(driver_id) from None
-    return record_json(record)
+    sent = None if body.position is None else body.position.ts
+    stale = sent is not None and timestamp_us(record.position.ts) > timestamp_us(sent)
+    return FastJSONResponse(record_json(record), headers={"X-Fleet-Stale": str(int(stale))})
 
 
 @router.delete("/v1/fleet/drivers/{driver_id:path}")
