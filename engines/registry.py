@@ -49,11 +49,29 @@ def _onnxruntime(**options: Any) -> Engine:
     _require("onnxruntime", ("onnxruntime", "tokenizers"), "pip install 'fleetcache[onnx]'")
     from engines.onnxruntime_engine import OnnxRuntimeEngine
 
+    device = str(options.pop("device", "auto"))
+    if device != "auto" and device.partition(":")[0] != "cpu":
+        raise EngineUnavailableError(
+            f"engine 'onnxruntime' runs on the CPU, not on {device!r}: for a GPU use the "
+            "engine 'torch' or 'tensorrt'"
+        )
     return OnnxRuntimeEngine(**options)
+
+
+def cuda_ordinal(device: str | int) -> int:
+    """The number of the CUDA device ``device`` names (``FLEETCACHE_DEVICE``'s form): ``auto``
+    and ``cuda`` are 0, ``cuda:N`` is N; ``EngineUnavailableError`` for a CPU."""
+    if isinstance(device, int):
+        return device
+    kind, _, number = device.partition(":")
+    if device in ("auto", "cuda") or (kind == "cuda" and number.isdigit()):
+        return int(number or 0)
+    raise EngineUnavailableError(f"engine 'tensorrt' runs on a CUDA GPU, not on {device!r}")
 
 
 def _tensorrt(**options: Any) -> Engine:
     # Either TensorRT module will do; load() says if it cannot run on this GPU (or none).
+    options["device"] = cuda_ordinal(options.get("device", 0))
     if all(importlib.util.find_spec(name) is None for name in ("tensorrt", "tensorrt_rtx")):
         raise EngineUnavailableError(
             "engine 'tensorrt' needs TensorRT: pip install 'fleetcache[tensorrt-rtx]' "

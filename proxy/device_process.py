@@ -61,7 +61,7 @@ import secrets
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -83,6 +83,8 @@ from engines.base import (
 from engines.batcher import budget_groups
 from engines.registry import create_engine
 from engines.tokenization import FastTokenizer, IntArray, TokenizedTexts, bucket_lengths
+from proxy.gpu_health import visible_gpus
+from proxy.settings import runs_on_cuda
 
 log = logging.getLogger("fleetcache.engine")
 
@@ -100,9 +102,17 @@ _ERRORS: dict[str, type[EngineError]] = {
 }
 
 
-def use_device_process(setting: str, device: str) -> bool:
-    """``FLEETCACHE_DEVICE_PROCESS``: ``on`` | ``off`` | ``auto`` (on for a CUDA device)."""
-    return setting == "on" or (setting == "auto" and device.startswith("cuda"))
+def use_device_process(
+    setting: str, device: str, engine: str, gpus: Callable[[], int] = visible_gpus
+) -> bool:
+    """``FLEETCACHE_DEVICE_PROCESS``: ``on`` | ``off`` | ``auto``: on for a CUDA device, as
+    ``auto`` is for an engine that runs on CUDA where a GPU is visible (one GPU: the device
+    stays ``auto`` and the engine picks it, ``proxy.supervisor.engine_devices``)."""
+    if setting != "auto":
+        return setting == "on"
+    if device == "auto":
+        return runs_on_cuda(engine) and gpus() > 0
+    return device.startswith("cuda")
 
 
 class _Child(NamedTuple):

@@ -103,7 +103,7 @@ def build_engine(settings: Settings) -> FallbackEngine:
     fingerprint only) or get 503; degraded by a soft reading of its GPU (``GpuCheck`` every
     ``gpu_health_interval_s``, on a CUDA device only)."""
     options = engine_options(settings)
-    if use_device_process(settings.device_process, options["device"]):
+    if use_device_process(settings.device_process, options["device"], settings.engine):
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
         budget = settings.max_batch_tokens
         primary: Engine = DeviceProcessEngine(

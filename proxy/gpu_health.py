@@ -79,6 +79,25 @@ def load_nvml() -> ModuleType:
     return pynvml
 
 
+def visible_gpus() -> int:
+    """How many CUDA GPUs this process's children would see: ``CUDA_VISIBLE_DEVICES`` when
+    set, else NVML's count (0 without NVML). Read without importing torch (the supervisor
+    and an engine process that leaves CUDA to its device child stay free of it)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        entries = [e for e in visible.split(",") if e.strip()]
+        return 0 if not entries or entries[0].strip() == "-1" else len(entries)
+    try:
+        nvml = load_nvml()
+        nvml.nvmlInit()
+        try:
+            return int(nvml.nvmlDeviceGetCount())
+        finally:
+            nvml.nvmlShutdown()
+    except Exception:  # no pynvml, no driver: no GPU
+        return 0
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 

@@ -201,7 +201,11 @@ class Settings(BaseSettings):
             raise ValueError("FLEETCACHE_FAKE_* settings need FLEETCACHE_ENGINE=fake")
         if self.engine == "fake" and self.model_path:
             raise ValueError("FLEETCACHE_MODEL_PATH has no meaning with FLEETCACHE_ENGINE=fake")
-        check_devices(self.devices, fake=self.engine == "fake")
+        check_devices(self.devices, self.engine)
+        if self.fallback_engine is not None:
+            check_devices(
+                (self.fallback_device,), self.fallback_engine, "FLEETCACHE_FALLBACK_DEVICE"
+            )
         return self
 
     @property
@@ -220,20 +224,37 @@ class Settings(BaseSettings):
 
 
 _DEVICE = re.compile(r"(cpu|cuda)(:\d+)?")
+# Where each engine runs (``engines.registry``): the fake names CPUs only, never claiming a GPU.
+_RUNS_ON: dict[str, tuple[str, ...]] = {
+    "fake": ("cpu",),
+    "onnxruntime": ("cpu",),
+    "tensorrt": ("cuda",),
+    "torch": ("cpu", "cuda"),
+}
 
 
-def check_devices(devices: tuple[str, ...], *, fake: bool) -> None:
-    """``ValueError`` naming FLEETCACHE_DEVICE unless it is ``auto`` or a list of ``cpu``,
-    ``cuda``, ``cuda:N`` (the fake engine: ``cpu`` or ``cpu:N``, names only). An entry may
-    repeat: two engine processes on one device."""
+def runs_on_cuda(engine: str) -> bool:
+    """Whether ``engine`` runs on a CUDA GPU where one is visible (``FLEETCACHE_DEVICE=auto``:
+    one engine process per GPU, each in a device child by default)."""
+    return "cuda" in _RUNS_ON[engine]
+
+
+def check_devices(
+    devices: tuple[str, ...], engine: str, setting: str = "FLEETCACHE_DEVICE"
+) -> None:
+    """``ValueError`` naming ``setting`` unless it is ``auto`` or a list of devices that
+    ``engine`` runs on: ``cpu``, ``cpu:N``, ``cuda``, ``cuda:N`` (the fake engine and
+    onnxruntime: a CPU; tensorrt: a CUDA GPU). An entry may repeat: two engine processes on
+    one device."""
     if devices == ("auto",):
         return
-    wrong = [d for d in devices if not _DEVICE.fullmatch(d) or (fake and d.startswith("cuda"))]
+    kinds = _RUNS_ON[engine]
+    wrong = [d for d in devices if not _DEVICE.fullmatch(d) or d.partition(":")[0] not in kinds]
     if wrong or len(devices) > MAX_DEVICES:
-        kinds = "cpu or cpu:N" if fake else "cpu, cuda or cuda:N"
+        names = " or ".join(f"{k} or {k}:N" for k in kinds)
         raise ValueError(
-            f"FLEETCACHE_DEVICE: {','.join(devices)!r} is not 'auto' or a list of up to "
-            f"{MAX_DEVICES} of {kinds}" + (" (FLEETCACHE_ENGINE=fake)" if fake else "")
+            f"{setting}: {','.join(devices)!r} is not 'auto' or a list of up to "
+            f"{MAX_DEVICES} of {names} (where the engine {engine!r} runs)"
         )
 
 

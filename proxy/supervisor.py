@@ -50,6 +50,7 @@ from typing import Any
 
 from proxy.board import INDEX_SLOT, Board, engine_slot
 from proxy.cores import usable_cores
+from proxy.gpu_health import visible_gpus
 from proxy.jobs import NO_THREADS, SPEC_FILE, starter_main, stop_jobs
 from proxy.processes import (
     ChildSpec,
@@ -61,7 +62,7 @@ from proxy.processes import (
     serving_mark,
     worker_main,
 )
-from proxy.settings import MAX_DEVICES, Settings
+from proxy.settings import MAX_DEVICES, Settings, runs_on_cuda
 
 log = logging.getLogger("fleetcache.supervisor")
 MAX_BACKOFF_S = 10.0
@@ -81,34 +82,13 @@ def auto_workers(cores: int | None = None) -> int:
     return max(2, min(16, cores - 4))
 
 
-def visible_gpus() -> int:
-    """How many CUDA GPUs this process's children would see: ``CUDA_VISIBLE_DEVICES`` when
-    set, else NVML's count (0 without NVML). Read without importing torch (the supervisor
-    stays small)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        entries = [e for e in visible.split(",") if e.strip()]
-        return 0 if not entries or entries[0].strip() == "-1" else len(entries)
-    try:
-        from proxy.gpu_health import load_nvml
-
-        nvml = load_nvml()
-        nvml.nvmlInit()
-        try:
-            return int(nvml.nvmlDeviceGetCount())
-        finally:
-            nvml.nvmlShutdown()
-    except Exception:  # no pynvml, no driver: no GPU to spread over
-        return 0
-
-
 def engine_devices(settings: Settings, gpus: Callable[[], int] = visible_gpus) -> tuple[str, ...]:
     """One entry per engine process: ``FLEETCACHE_DEVICE`` as listed; ``auto`` is every
     visible GPU ``FLEETCACHE_ENGINES_PER_GPU`` times (``cuda:0``, ``cuda:1``...; with 2,
     ``cuda:0``, ``cuda:0``, ``cuda:1``...: one engine process is bound by its interpreter long
     before its GPU, docs/BENCHMARKS.md), at most ``MAX_DEVICES`` in all; when that is one
     process, one engine that picks for itself as before (CUDA when present, the CPU otherwise)."""
-    if settings.devices != ("auto",) or settings.engine == "fake":
+    if settings.devices != ("auto",) or not runs_on_cuda(settings.engine):
         return settings.devices
     count = gpus()
     per_gpu = max(1, min(settings.engines_per_gpu, MAX_DEVICES // max(count, 1)))

@@ -47,9 +47,18 @@ def fake() -> Iterator[DeviceProcessEngine]:
     engine.close()
 
 
-def test_auto_runs_the_device_in_a_child_on_a_gpu_only() -> None:
-    assert use_device_process("auto", "cuda:0") and use_device_process("on", "cpu")
-    assert not use_device_process("auto", "cpu") and not use_device_process("off", "cuda")
+def test_auto_runs_the_device_in_a_child_on_a_gpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert use_device_process("auto", "cuda:0", "torch") and use_device_process("on", "cpu", "fake")
+    assert not use_device_process("auto", "cpu", "torch")
+    assert not use_device_process("off", "cuda", "torch")
+    # One GPU: the device stays ``auto`` and the engine picks CUDA (it used to stay in process).
+    assert use_device_process("auto", "auto", "torch", gpus=lambda: 1)
+    assert use_device_process("auto", "auto", "tensorrt", gpus=lambda: 1)
+    assert not use_device_process("auto", "auto", "torch", gpus=lambda: 0)
+    assert not use_device_process("auto", "auto", "onnxruntime", gpus=lambda: 1)  # a CPU engine
+    assert not use_device_process("auto", "auto", "fake", gpus=lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # what the default settings meet on a GPU
+    assert isinstance(build_engine(Settings(engine="torch")).primary, DeviceProcessEngine)
     on = Settings(engine="fake", device_process="on")
     assert isinstance(build_engine(on).primary, DeviceProcessEngine)
     assert isinstance(build_engine(Settings(engine="fake")).primary, FakeEngine)  # on a CPU

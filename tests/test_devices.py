@@ -331,6 +331,13 @@ def test_device_lists_and_auto() -> None:
         Settings(engine="fake", device="cuda:0")  # names only: a fake never claims a GPU
     with pytest.raises(ValueError, match="FLEETCACHE_DEVICE"):
         Settings(engine="torch", device="cuda:0,gpu1")
+    with pytest.raises(ValueError, match=r"FLEETCACHE_DEVICE: 'cuda:0'.*'onnxruntime'"):
+        Settings(engine="onnxruntime", device="cuda:0")  # a CPU engine
+    with pytest.raises(ValueError, match=r"FLEETCACHE_DEVICE: 'cpu'.*'tensorrt'"):
+        Settings(engine="tensorrt", device="cpu")
+    with pytest.raises(ValueError, match="FLEETCACHE_FALLBACK_DEVICE: 'cpu'"):
+        Settings(engine="torch", fallback_engine="tensorrt")  # its device is the CPU by default
+    assert engine_devices(Settings(engine="onnxruntime"), gpus=lambda: 2) == ("auto",)
     torch = Settings(engine="torch", device="auto")
     assert engine_devices(torch, gpus=lambda: 2) == ("cuda:0", "cuda:1")
     assert engine_devices(torch, gpus=lambda: 1) == ("auto",)  # one engine picks as before

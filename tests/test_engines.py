@@ -15,9 +15,11 @@ import pytest
 from engines.base import Batch, Engine, EngineError, EngineUnavailableError, Vectors
 from engines.batcher import Batcher
 from engines.fake import FakeEngine
-from engines.registry import create_engine, engine_kinds
+from engines.registry import create_engine, cuda_ordinal, engine_kinds
 from engines.tokenization import FastTokenizer, TokenizedTexts, bucket_lengths
 from engines.torch_engine import TorchEngine, default_model_path, model_files_digest
+from proxy.engine_host import build_engine
+from proxy.settings import Settings
 
 # -- FakeEngine ------------------------------------------------------------------------------
 
@@ -147,6 +149,25 @@ def test_registry_missing_dependency_names_what_to_install(monkeypatch: pytest.M
     monkeypatch.setitem(sys.modules, "sentence_transformers", None)  # find_spec -> None
     with pytest.raises(EngineUnavailableError, match=r"sentence_transformers.*pip install"):
         create_engine("torch")
+
+
+def test_registry_gives_each_engine_the_device_it_runs_on() -> None:
+    """``FLEETCACHE_DEVICE``'s names, as every engine is given them (``engine_options``)."""
+    assert cuda_ordinal("auto") == cuda_ordinal("cuda") == 0 and cuda_ordinal("cuda:3") == 3
+    with pytest.raises(EngineUnavailableError, match="runs on a CUDA GPU, not on 'cpu'"):
+        cuda_ordinal("cpu")
+    pytest.importorskip("onnxruntime")
+    with pytest.raises(EngineUnavailableError, match="runs on the CPU, not on 'cuda:0'"):
+        create_engine("onnxruntime", device="cuda:0")
+
+
+def test_onnxruntime_is_built_from_settings() -> None:
+    """``build_engine`` gives every engine a device: onnxruntime, which takes none, used to
+    fail with a TypeError at start (``FLEETCACHE_ENGINE=onnxruntime``)."""
+    pytest.importorskip("onnxruntime")
+    from engines.onnxruntime_engine import OnnxRuntimeEngine
+
+    assert isinstance(build_engine(Settings(engine="onnxruntime")).primary, OnnxRuntimeEngine)
 
 
 def test_registry_creates_torch_without_loading() -> None:
