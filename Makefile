@@ -6,12 +6,12 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install system-packages serve test test-fast check format bench clean
+.PHONY: install system-packages serve test test-fast check format clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build (docs/FACTS).
+	# CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build (FACTS.md, next to the repo).
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test,dev,onnx,tensorrt-rtx]'
 	touch $(STAMP)
