@@ -83,11 +83,12 @@ def auto_workers(cores: int | None = None) -> int:
 
 
 def engine_devices(settings: Settings, gpus: Callable[[], int] = visible_gpus) -> tuple[str, ...]:
-    """One entry per engine process: ``FLEETCACHE_DEVICE`` as listed; ``auto`` is every
-    visible GPU ``FLEETCACHE_ENGINES_PER_GPU`` times (``cuda:0``, ``cuda:1``...; with 2,
-    ``cuda:0``, ``cuda:0``, ``cuda:1``...: one engine process is bound by its interpreter long
-    before its GPU, docs/BENCHMARKS.md), at most ``MAX_DEVICES`` in all; when that is one
-    process, one engine that picks for itself as before (CUDA when present, the CPU otherwise)."""
+    """One entry per engine process: ``FLEETCACHE_DEVICE`` as listed; ``auto``, for an engine
+    that runs on CUDA (torch, tensorrt), is every visible GPU ``FLEETCACHE_ENGINES_PER_GPU``
+    times (``cuda:0``, ``cuda:1``...; with 2, ``cuda:0``, ``cuda:0``, ``cuda:1``...: one engine
+    process is bound by its interpreter long before its GPU, docs/BENCHMARKS.md), at most
+    ``MAX_DEVICES`` in all; when that is one process, one engine that picks for itself as
+    before (CUDA when present, the CPU otherwise)."""
     if settings.devices != ("auto",) or not runs_on_cuda(settings.engine):
         return settings.devices
     count = gpus()
