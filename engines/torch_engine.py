@@ -107,7 +107,15 @@ def resolve_model_dir(model_path: str | os.PathLike[str] | None) -> Path:
 def sentence_model_info(
     kind: str, model_dir: Path, *, device: str, precision: str, max_seq_length: int
 ) -> EngineInfo:
-    """What every engine of a sentence-transformers model reports, fingerprint included."""
+    """What every engine of a sentence-transformers model reports, fingerprint included.
+    ``EngineUnavailableError`` for a ``max_seq_length`` over the model's positions (its
+    forward would fail on every text that long)."""
+    positions = _read_config(model_dir, "config.json", "max_position_embeddings")
+    if positions is not None and max_seq_length > positions:
+        raise EngineUnavailableError(
+            f"max_seq_length {max_seq_length} (FLEETCACHE_MAX_SEQ_LENGTH) is over the "
+            f"{positions} positions of the model {model_dir.name!r}"
+        )
     return EngineInfo(
         kind=kind,
         device=device,
@@ -126,17 +134,22 @@ def sentence_model_info(
     )
 
 
+def _read_config(model_dir: Path, name: str, key: str) -> int | None:
+    """An integer of one of the model's JSON configs, or None."""
+    config = model_dir / name
+    value = json.loads(config.read_text()).get(key) if config.is_file() else None
+    return value if isinstance(value, int) else None
+
+
 def _read_dim(model_dir: Path) -> int:
     """The output dimension from the pooling config (or the transformer's hidden size)."""
     for name, key in (
         ("1_Pooling/config.json", "word_embedding_dimension"),
         ("config.json", "hidden_size"),
     ):
-        config = model_dir / name
-        if config.is_file():
-            value = json.loads(config.read_text()).get(key)
-            if isinstance(value, int):
-                return value
+        value = _read_config(model_dir, name, key)
+        if value is not None:
+            return value
     raise EngineUnavailableError(f"cannot read the embedding dimension from {model_dir}")
 
 

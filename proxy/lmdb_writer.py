@@ -69,6 +69,13 @@ WRITE_TIMEOUT_S = 30.0  # a write the child has not acknowledged by then counts 
 _RowsCall = tuple[RowEntries, Sequence[tuple[str, bytes]], "asyncio.Future[None]"]
 
 
+def start_timeout(partitions: int) -> float:
+    """How long ``partitions`` writer processes started at once are given to answer: 30 s,
+    and 2 s more for each, since each imports as the others do (on the 2-core box 8 made a
+    server ready in 15 s, 16 in 22 s, and 64 outlasted a fixed 30 s)."""
+    return 30.0 + 2.0 * partitions
+
+
 class LmdbWriterStore(LmdbByteStore):
     """An ``LmdbByteStore`` whose ``amset`` runs in a writer child (see the module docstring).
     ``start`` it inside the event loop that will write; ``close`` stops the child."""
@@ -95,9 +102,10 @@ class LmdbWriterStore(LmdbByteStore):
         self._sending: set[asyncio.Future[None]] = set()
         self.rows_messages = 0  # mset_rows messages sent (each holds one turn's calls)
 
-    async def start(self, timeout_s: float = 60.0) -> LmdbWriterStore:
-        """Start the child; it answers once it (and a partitioned store's writers, each given
-        up to 30 s) can write."""
+    async def start(self, timeout_s: float | None = None) -> LmdbWriterStore:
+        """Start the child; it answers once it (and a partitioned store's writers) can write.
+        ``timeout_s``: by default 30 s more than its partition writers are given."""
+        timeout_s = timeout_s or 30.0 + start_timeout(self.partitions)
         self._spawn()
         self._client = await RpcClient(self._address, role="engine", service="writer").start()
         if not await self._client.wait_up(timeout_s):
@@ -236,10 +244,11 @@ class PartitionWriters:
         self._grouped = GroupCommit(self._fan_out, store.max_group * store.partitions)
         self.writes = 0  # fan-outs (each: a message to each partition it touches, a phase)
 
-    async def start(self, timeout_s: float = 30.0) -> PartitionWriters:
+    async def start(self, timeout_s: float | None = None) -> PartitionWriters:
         # The engine started this child as a daemon (it is terminated with the engine), and
         # multiprocessing lets no daemon start processes; the flag means nothing else here.
         multiprocessing.current_process().daemon = False
+        timeout_s = timeout_s or start_timeout(len(self._args))
         for i, args in enumerate(self._args):
             self._processes.append(self._spawn(args))
             client = RpcClient(args[3], role="writer", service=f"LMDB partition {i} writer")

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from engines.base import EngineInfo
+from engines.base import EngineInfo, EngineUnavailableError
 from features.synthetic import generate_fleet
 from indexes.snapshot import replace_durably
 from proxy.board import Board
@@ -143,6 +143,10 @@ async def _serve(server: RpcServer, stop: asyncio.Event) -> None:
 # at the default the collections took ~24% of its loop's CPU per new text (2-core box,
 # bench/engine_bench.py, docs/BENCHMARKS.md). What cycles there are wait a little longer.
 ENGINE_GC_THRESHOLDS = (50_000, 20, 20)
+# An engine process's exit code when its engine cannot run here (``EngineUnavailableError``
+# from its load: a missing package, no GPU, a setting the model refuses): on a server's first
+# start of it the supervisor stops with its reason instead of restarting it for ever.
+CANNOT_RUN = 3
 
 
 @contextlib.contextmanager
@@ -183,20 +187,24 @@ def engine_main(spec: ChildSpec, engine: int = 0) -> None:
 async def _engine(spec: ChildSpec, index: int) -> None:
     settings, run_dir = spec.engine_settings(index), Path(spec.run_dir)
     stop = _stop_event()
-    engine = build_engine(settings)
-    info_file = run_dir / engine_file(index)
-    tmp = info_file.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(engine.info)))
-    tmp.replace(info_file)  # the supervisor starts the others once it reads this
-    board = Board("engine", run_dir / "boards", engine=index)
-    async with open_engine_host(settings, board, engine) as host:
-        server = RpcServer(address(run_dir, engine_name(index)), {})
-        server.handlers.update(engine_handlers(host, server))
-        log.info("engine process serving at %s", server.address)
-        # the model's objects: each full collection would walk them all
-        with frozen_heap(ENGINE_GC_THRESHOLDS):
-            await _serve(server, stop)
-    board.close()
+    try:
+        engine = build_engine(settings)
+        info_file = run_dir / engine_file(index)
+        tmp = info_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(engine.info)))
+        tmp.replace(info_file)  # the supervisor starts the others once it reads this
+        board = Board("engine", run_dir / "boards", engine=index)
+        async with open_engine_host(settings, board, engine) as host:
+            server = RpcServer(address(run_dir, engine_name(index)), {})
+            server.handlers.update(engine_handlers(host, server))
+            log.info("engine process serving at %s", server.address)
+            # the model's objects: each full collection would walk them all
+            with frozen_heap(ENGINE_GC_THRESHOLDS):
+                await _serve(server, stop)
+        board.close()
+    except EngineUnavailableError as exc:  # as it loads (a serving engine answers with them)
+        log.error("the engine cannot run here: %s", exc)
+        raise SystemExit(CANNOT_RUN) from None
 
 
 # -- fleet index ---------------------------------------------------------------------------

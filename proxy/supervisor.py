@@ -53,6 +53,7 @@ from proxy.cores import usable_cores
 from proxy.gpu_health import visible_gpus
 from proxy.jobs import NO_THREADS, SPEC_FILE, starter_main, stop_jobs
 from proxy.processes import (
+    CANNOT_RUN,
     ChildSpec,
     demo_main,
     engine_file,
@@ -141,6 +142,7 @@ class Supervisor:
         self.log_level = log_level
         self._ctx = multiprocessing.get_context("spawn")
         self._stopping = False
+        self._code = 0  # what ``run`` returns: 2 when an engine cannot run here
         self.slots: list[Slot] = []
         self._run_dir: Path | None = None
         self._health: http.server.ThreadingHTTPServer | None = None
@@ -194,8 +196,9 @@ class Supervisor:
             self._start(engine, board)
         for k, engine in enumerate(engines):
             if not self._wait_for_file(run_dir / engine_file(k), engine):
+                cannot_run = engine.process is not None and engine.process.exitcode == CANNOT_RUN
                 self._stop_all(board)
-                return 1
+                return 2 if cannot_run else 1
         mismatch = check_identities(run_dir, devices)
         if mismatch is not None:
             log.error("%s", mismatch)
@@ -234,7 +237,7 @@ class Supervisor:
         finally:
             self._stop_all(board)
             board.close()
-        return 0
+        return self._code
 
     def _health_server(self) -> http.server.ThreadingHTTPServer | None:
         """``GET /healthz`` on ``FLEETCACHE_HEALTH_PORT``, from a thread of this process."""
@@ -348,6 +351,11 @@ class Supervisor:
             log.info("demo fleet loaded")
             return
         if self._stopping:
+            return
+        if slot.role == "engine" and code == CANNOT_RUN and slot.restarts == 0:
+            # a setting or this machine, not a crash: restarting cannot help (its log says why)
+            log.error("%s cannot run here (see its log above): stopping", slot.label)
+            self._code, self._stopping = 2, True
             return
         quick = now - slot.started_at < QUICK_DEATH_S
         slot.backoff_s = min(MAX_BACKOFF_S, max(0.5, slot.backoff_s * 2)) if quick else 0.0

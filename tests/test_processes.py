@@ -721,3 +721,32 @@ def test_a_health_port_in_use_stops_the_start_naming_it(tmp_path: Path) -> None:
         with pytest.raises(AssertionError, match=f"health port {port}"):
             server.start(timeout_s=30)
     assert server.process is not None and server.process.wait(10) == 1
+
+
+@pytest.mark.parametrize(
+    ("setting", "reason"),
+    [
+        # found as the engine is built, before the supervisor starts the others
+        ({"max_seq_length": 1024}, "is over the 512 positions of the model"),
+        # found as it loads, once the index and the workers run
+        ({"device": "cuda"}, "torch sees no CUDA GPU"),
+    ],
+    ids=["built", "loaded"],
+)
+def test_an_engine_that_cannot_run_here_stops_the_server_with_its_reason(
+    tmp_path: Path, setting: dict[str, Any], reason: str
+) -> None:
+    """An engine that cannot run here (a setting its model refuses, a device this machine
+    lacks) stops ``fleetcache serve`` with exit code 2 and the engine's reason in the log; it
+    used to be restarted every 10 s for ever, never ready and never exiting."""
+    if "device" in setting:
+        torch = pytest.importorskip("torch")
+        if torch.cuda.is_available():
+            pytest.skip("this machine has the CUDA GPU the setting asks for")
+    server = FleetcacheServer(tmp_path, engine="torch", demo_drivers=0, **setting)
+    with pytest.raises(AssertionError, match="fleetcache serve exited"):
+        server.start(timeout_s=150)
+    assert server.process is not None and server.process.wait(timeout=60) == 2
+    log = server.log.read_text()
+    assert reason in log and "cannot run here" in log
+    assert "restarting" not in log, log
