@@ -49,6 +49,7 @@ from engines.base import (
 from features.constraints import UnknownConstraintError
 from proxy.body import BodyError, media_type
 from proxy.ipc import ServiceUnavailableError
+from proxy.public import cut_paths
 
 log = logging.getLogger("fleetcache.proxy")
 
@@ -192,14 +193,15 @@ def _unavailable(request: Request, exc: Exception) -> JSONResponse:
     service = exc.service if isinstance(exc, ServiceUnavailableError) else "engine"
     return error_response(
         503,
-        f"{service} unavailable, retry shortly: {exc}",
+        f"{service} unavailable, retry shortly: {cut_paths(str(exc))}",
         type=f"{service}_unavailable",
         headers={"Retry-After": "1"},
     )
 
 
 def _engine(request: Request, exc: Exception) -> JSONResponse:
-    return error_response(503, f"inference engine unavailable: {exc}", type="engine_error")
+    message = f"inference engine unavailable: {cut_paths(str(exc))}"
+    return error_response(503, message, type="engine_error")
 
 
 def _invalid_text(request: Request, exc: Exception) -> JSONResponse:

@@ -35,7 +35,6 @@ import logging
 import multiprocessing
 import os
 import queue
-import re
 import shutil
 import signal
 import socket
@@ -50,6 +49,7 @@ from typing import IO, Any
 from proxy.board import Boards
 from proxy.cores import lower, usable_cores
 from proxy.processes import ENGINE_GC_THRESHOLDS, ChildSpec, frozen_heap
+from proxy.public import cut_paths
 from proxy.settings import Settings
 from proxy.warmup import CHECKPOINT_EVERY_S, Shard, WarmupProgress, shown_source
 
@@ -81,7 +81,6 @@ NO_THREADS = {
 STARTER_NAME = "fleetcache-jobs"  # the starter's and its jobs' process name (``ps``, ``top``)
 STARTER_SOCKET = "job-starter.sock"  # in the run dir: a worker sends a job id, gets its pid
 STARTER_REPLY_S = 10.0  # a fork takes milliseconds; silence this long means it never will
-_PATH = re.compile(r"(?:/[^/\s'\"]+)+/?")
 
 
 def lower_priority(pid: int) -> None:
@@ -541,7 +540,7 @@ def _clean_up(*paths: Path | None) -> None:
 def public_error(exc: BaseException) -> str:
     """What a job answer may say: the exception's kind and message, each absolute path cut
     to its file name (answers never show the server's directories)."""
-    message = _PATH.sub(lambda m: Path(m.group()).name, str(exc))
+    message = cut_paths(str(exc))
     return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 

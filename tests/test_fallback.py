@@ -194,6 +194,36 @@ def embed_status(client: TestClient, texts: list[str]) -> int:
     return client.post("/v1/embeddings", json={"input": texts}).status_code
 
 
+class PathEngine(FlakyEngine):
+    """Failures whose text names a file by its absolute path, as library errors do: a batch
+    holding ``POISON`` (its contents), or every batch while ``broken`` (the device)."""
+
+    def forward(self, batch: Batch) -> Vectors:
+        if self.broken or any("POISON" in text for text in batch.data["texts"]):
+            raise EngineError("device lost at /opt/fleet/private/kernel.cu:42")
+        return super().forward(batch)
+
+
+def test_an_engine_failure_answers_its_reason_without_absolute_paths(tmp_path: Path) -> None:
+    """API.md: error messages carry no absolute paths. A batch failed by its contents
+    (``engine_error``) and an engine failed by its device (``engine_unavailable``) answer
+    the engine's reason with each path cut to its file name (the onnxruntime engine's
+    failures named its library's source files)."""
+    primary = PathEngine()
+    engine = FallbackEngine(primary, backoff_s=5.0, max_backoff_s=5.0)
+    with open_client(make_settings(tmp_path), engine) as client:
+        wait_ready(client)
+        answers = [client.post("/v1/embeddings", json={"input": ["POISON"]})]
+        primary.broken = True
+        answers.append(client.post("/v1/embeddings", json={"input": ["new"]}))
+        assert [a.status_code for a in answers] == [503, 503]
+        errors = [a.json()["error"] for a in answers]
+        assert [e["type"] for e in errors] == ["engine_error", "engine_unavailable"]
+        for error in errors:
+            assert "device lost at kernel.cu:42" in error["message"], error
+            assert "/opt" not in error["message"] and "private" not in error["message"]
+
+
 def engine_health(client: TestClient) -> dict[str, Any]:
     health: dict[str, Any] = client.get("/v1/stats").json()["inference"]["engine_health"]
     return health
