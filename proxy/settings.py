@@ -197,6 +197,11 @@ class Settings(BaseSettings):
                 f"{DEMO_CHUNK} drivers (FLEETCACHE_DEMO_DRIVERS={self.demo_drivers}): it could "
                 "never be loaded"
             )
+        if self.store == "memory" and not self.memory_cache_mb:
+            raise ValueError(
+                "FLEETCACHE_STORE=memory keeps the cache in tier 1 only, and "
+                "FLEETCACHE_MEMORY_CACHE_MB=0 leaves it no room: nothing would be cached"
+            )
         if self.engine != "fake" and (self.fake_fail_on or self.fake_delay_ms):
             raise ValueError("FLEETCACHE_FAKE_* settings need FLEETCACHE_ENGINE=fake")
         if self.engine == "fake" and self.model_path:

@@ -348,6 +348,7 @@ def test_more_new_texts_than_the_queue_holds_is_a_413_not_a_429(tmp_path: Path) 
     [
         ({"max_queue": 32}, "FLEETCACHE_MAX_TEXTS_PER_REQUEST"),
         ({"max_queue": 100, "max_texts_per_request": 50, "demo_drivers": 10}, "DEMO"),
+        ({"store": "memory", "memory_cache_mb": 0}, "FLEETCACHE_MEMORY_CACHE_MB=0"),
     ],
 )
 def test_settings_under_which_requests_could_never_be_queued_are_refused(
