@@ -187,6 +187,7 @@ def engine_main(spec: ChildSpec, engine: int = 0) -> None:
 async def _engine(spec: ChildSpec, index: int) -> None:
     settings, run_dir = spec.engine_settings(index), Path(spec.run_dir)
     stop = _stop_event()
+    loaded = False
     try:
         engine = build_engine(settings)
         info_file = run_dir / engine_file(index)
@@ -195,6 +196,7 @@ async def _engine(spec: ChildSpec, index: int) -> None:
         tmp.replace(info_file)  # the supervisor starts the others once it reads this
         board = Board("engine", run_dir / "boards", engine=index)
         async with open_engine_host(settings, board, engine) as host:
+            loaded = True
             server = RpcServer(address(run_dir, engine_name(index)), {})
             server.handlers.update(engine_handlers(host, server))
             log.info("engine process serving at %s", server.address)
@@ -202,7 +204,9 @@ async def _engine(spec: ChildSpec, index: int) -> None:
             with frozen_heap(ENGINE_GC_THRESHOLDS):
                 await _serve(server, stop)
         board.close()
-    except EngineUnavailableError as exc:  # as it loads (a serving engine answers with them)
+    except EngineUnavailableError as exc:
+        if loaded:  # served: a crash like any other, to be restarted
+            raise
         log.error("the engine cannot run here: %s", exc)
         raise SystemExit(CANNOT_RUN) from None
 
