@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engines.base import Engine, EngineUnavailableError
+from engines.devices import unusable
 
 EngineFactory = Callable[..., Engine]
 
@@ -49,12 +50,9 @@ def _onnxruntime(**options: Any) -> Engine:
     _require("onnxruntime", ("onnxruntime", "tokenizers"), "pip install 'fleetcache[onnx]'")
     from engines.onnxruntime_engine import OnnxRuntimeEngine
 
-    device = str(options.pop("device", "auto"))
-    if device != "auto" and device.partition(":")[0] != "cpu":
-        raise EngineUnavailableError(
-            f"engine 'onnxruntime' runs on the CPU, not on {device!r}: for a GPU use the "
-            "engine 'torch' or 'tensorrt'"
-        )
+    why = unusable("onnxruntime", str(options.pop("device", "auto")))
+    if why is not None:
+        raise EngineUnavailableError(why)
     return OnnxRuntimeEngine(**options)
 
 
@@ -63,10 +61,11 @@ def cuda_ordinal(device: str | int) -> int:
     and ``cuda`` are 0, ``cuda:N`` is N; ``EngineUnavailableError`` for a CPU."""
     if isinstance(device, int):
         return device
-    kind, _, number = device.partition(":")
-    if device in ("auto", "cuda") or (kind == "cuda" and number.isdigit()):
+    why = unusable("tensorrt", device)
+    number = device.partition(":")[2]
+    if why is None and (number.isdigit() or not number):
         return int(number or 0)
-    raise EngineUnavailableError(f"engine 'tensorrt' runs on a CUDA GPU, not on {device!r}")
+    raise EngineUnavailableError(why or f"engine 'tensorrt': no CUDA device {device!r}")
 
 
 def _tensorrt(**options: Any) -> Engine:

@@ -81,10 +81,10 @@ from engines.base import (
     Vectors,
 )
 from engines.batcher import budget_groups
+from engines.devices import runs_on_cuda
 from engines.registry import create_engine
 from engines.tokenization import FastTokenizer, IntArray, TokenizedTexts, bucket_lengths
 from proxy.gpu_health import visible_gpus
-from proxy.settings import runs_on_cuda
 
 log = logging.getLogger("fleetcache.engine")
 

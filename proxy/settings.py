@@ -15,6 +15,8 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from engines.devices import RUNS_ON
+
 DEMO_CHUNK = 250  # drivers per call while the demo fleet loads (proxy.processes)
 EngineKind = Literal["torch", "onnxruntime", "tensorrt", "fake"]
 StoreKind = Literal["lmdb", "redis", "memory"]
@@ -229,19 +231,6 @@ class Settings(BaseSettings):
 
 
 _DEVICE = re.compile(r"(cpu|cuda)(:\d+)?")
-# Where each engine runs (``engines.registry``): the fake names CPUs only, never claiming a GPU.
-_RUNS_ON: dict[str, tuple[str, ...]] = {
-    "fake": ("cpu",),
-    "onnxruntime": ("cpu",),
-    "tensorrt": ("cuda",),
-    "torch": ("cpu", "cuda"),
-}
-
-
-def runs_on_cuda(engine: str) -> bool:
-    """Whether ``engine`` runs on a CUDA GPU where one is visible (``FLEETCACHE_DEVICE=auto``:
-    one engine process per GPU, each in a device child by default)."""
-    return "cuda" in _RUNS_ON[engine]
 
 
 def check_devices(
@@ -253,7 +242,7 @@ def check_devices(
     one device."""
     if devices == ("auto",):
         return
-    kinds = _RUNS_ON[engine]
+    kinds = RUNS_ON[engine]
     wrong = [d for d in devices if not _DEVICE.fullmatch(d) or d.partition(":")[0] not in kinds]
     if wrong or len(devices) > MAX_DEVICES:
         names = " or ".join(f"{k} or {k}:N" for k in kinds)

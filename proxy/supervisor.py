@@ -48,6 +48,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+from engines.devices import runs_on_cuda
 from proxy.board import INDEX_SLOT, Board, engine_slot
 from proxy.cores import usable_cores
 from proxy.gpu_health import visible_gpus
@@ -63,7 +64,7 @@ from proxy.processes import (
     serving_mark,
     worker_main,
 )
-from proxy.settings import MAX_DEVICES, Settings, runs_on_cuda
+from proxy.settings import MAX_DEVICES, Settings
 
 log = logging.getLogger("fleetcache.supervisor")
 MAX_BACKOFF_S = 10.0
