@@ -13,8 +13,8 @@ While running: a process that exits is started again (its slot's restart count g
 in ``/v1/stats`` ``processes``); one that keeps dying right after it starts waits longer each
 time, up to ``MAX_BACKOFF_S``. With the engine down the workers still serve hits and answer
 misses with 503; with the index down, fleet and dispatch calls get 503; both come back by
-themselves. The demo job runs again whenever the index owner restarts (it marks the index
-ready; it loads the demo fleet into an index only once, ``load_demo_fleet``).
+themselves. The demo job runs again whenever the index owner restarts, even as the job closes
+(it marks the index ready; it loads the demo fleet into an index only once, ``load_demo_fleet``).
 
 Health port (``FLEETCACHE_HEALTH_PORT``): the supervisor itself answers ``GET /healthz`` there,
 200 while it holds live workers and is not stopping, 503 otherwise. A worker answers its own
@@ -321,8 +321,8 @@ class Supervisor:
                 process = slot.process
                 if process is not None and process.exitcode is not None:
                     self._exited(slot, now)
-                    if slot is index and demo is not None:  # its demo fleet must be redone
-                        demo.wanted = True
+                    if demo is not None and (slot is index or slot is demo):
+                        demo.wanted = demo.wanted or not marked_ready(index, demo)
                 if slot.process is None and slot.wanted and now >= slot.retry_at:
                     if self._stopping:
                         break
@@ -348,8 +348,8 @@ class Supervisor:
         process.close()
         slot.process, slot.pid = None, 0
         if slot.role == "job" and code == 0:
-            slot.wanted = False  # done
-            log.info("demo fleet loaded")
+            slot.wanted = False  # done, unless the index restarted meanwhile (``_watch``)
+            log.info("demo fleet job done")
             return
         if self._stopping:
             return
@@ -405,6 +405,13 @@ class Supervisor:
                     process.kill()
                     process.join(5)
                 slot.process, slot.pid = None, 0
+
+
+def marked_ready(index: Slot, demo: Slot) -> bool:
+    """Whether the demo job's last run marked the index owner running now ready: not when the
+    index exited or was started again after the job started (a job still closing as the index
+    was killed exits 0, yet the index it marked is gone and the new one would never be ready)."""
+    return index.process is not None and index.started_at <= demo.started_at
 
 
 @contextlib.contextmanager
