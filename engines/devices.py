@@ -23,7 +23,9 @@ def runs_on_cuda(kind: str) -> bool:
 def unusable(kind: str, device: str) -> str | None:
     """Why engine ``kind`` cannot run on ``device`` (a device of another kind), or None
     (``auto`` lets the engine pick)."""
-    if device == "auto" or device.partition(":")[0] in RUNS_ON[kind]:
+    place = device.partition(":")[0]
+    if device == "auto" or place in RUNS_ON[kind]:
         return None
-    where = " or ".join(_PLACES[place] for place in RUNS_ON[kind])
-    return f"engine {kind!r} runs on {where}, not on {device!r}"
+    where = " or ".join(_PLACES[p] for p in RUNS_ON[kind])
+    there = [repr(k) for k, places in RUNS_ON.items() if place in places and k != "fake"]
+    return f"engine {kind!r} runs on {where}, not on {device!r} (use {' or '.join(there)})"

@@ -154,10 +154,15 @@ def test_registry_missing_dependency_names_what_to_install(monkeypatch: pytest.M
 def test_registry_gives_each_engine_the_device_it_runs_on() -> None:
     """``FLEETCACHE_DEVICE``'s names, as every engine is given them (``engine_options``)."""
     assert cuda_ordinal("auto") == cuda_ordinal("cuda") == 0 and cuda_ordinal("cuda:3") == 3
-    with pytest.raises(EngineUnavailableError, match="runs on a CUDA GPU, not on 'cpu'"):
+    with pytest.raises(
+        EngineUnavailableError,
+        match=r"runs on a CUDA GPU, not on 'cpu' \(use 'onnxruntime' or 'torch'\)",
+    ):
         cuda_ordinal("cpu")
     pytest.importorskip("onnxruntime")
-    with pytest.raises(EngineUnavailableError, match="runs on the CPU, not on 'cuda:0'"):
+    with pytest.raises(
+        EngineUnavailableError, match=r"the CPU, not on 'cuda:0' \(use 'tensorrt' or 'torch'\)"
+    ):
         create_engine("onnxruntime", device="cuda:0")
 
 
