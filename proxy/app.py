@@ -249,13 +249,19 @@ def create_app(
             run_services(app, settings, engine, cluster, stop, opened, freeze_gc)
         )
         if cluster is not None and cluster.serve_after_ready_s:
-            await opened.wait()  # uvicorn binds its socket after this (proxy.processes)
+            # uvicorn binds its socket after this (proxy.processes); told to stop meanwhile,
+            # the worker gives up its wait for the engine and the index
+            while not opened.is_set() and not cluster.stopping():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(opened.wait(), 0.1)
+            if not opened.is_set():
+                task.cancel()
         try:
             yield
         finally:
             await app.state.jobs.aclose()
             stop.set()
-            await task
+            await asyncio.wait([task])
 
     app = FastAPI(
         title="fleetcache",

@@ -27,7 +27,7 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -250,12 +250,14 @@ class LateSocket:
     (SO_REUSEPORT: binding is joining the port; until then the kernel sends the connections
     to the workers already serving.) Once it listens, the worker's ``serving_mark``."""
 
-    def __init__(self, host: str, port: int, run_dir: Path) -> None:
-        self.host, self.port, self.run_dir = host, port, run_dir
+    def __init__(self, host: str, port: int, run_dir: Path, stopping: Callable[[], bool]) -> None:
+        self.host, self.port, self.run_dir, self.stopping = host, port, run_dir, stopping
 
     def __iter__(self) -> Iterator[socket.socket]:
         from proxy.supervisor import bind_socket
 
+        if self.stopping():  # told to stop as it started: it never joins the port
+            return
         sock = bind_socket(self.host, self.port)
         mark = serving_mark(self.run_dir, os.getpid())
         mark.parent.mkdir(exist_ok=True)
@@ -271,7 +273,12 @@ def worker_main(spec: ChildSpec, host: str, port: int, serve_at_once: bool) -> N
 
     become_child("worker", spec.log_level)
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # uvicorn installs its own handlers
-    cluster = replace(spec.cluster(), serve_after_ready_s=0.0 if serve_at_once else 30.0)
+    server: uvicorn.Server | None = None  # made below, from the app that reads it
+    cluster = replace(
+        spec.cluster(),
+        serve_after_ready_s=0.0 if serve_at_once else 30.0,
+        stopping=lambda: server is not None and server.should_exit,
+    )
     app = create_app(spec.load_settings(), cluster=cluster, freeze_gc=True)
     config = uvicorn.Config(
         app,
@@ -280,8 +287,9 @@ def worker_main(spec: ChildSpec, host: str, port: int, serve_at_once: bool) -> N
         log_config=None,
         http=BoundedHeadProtocol,
     )
-    sockets = LateSocket(host, port, Path(spec.run_dir))
-    uvicorn.Server(config).run(sockets=sockets)  # type: ignore[arg-type]
+    server = uvicorn.Server(config)
+    sockets = LateSocket(host, port, Path(spec.run_dir), cluster.stopping)
+    server.run(sockets=sockets)  # type: ignore[arg-type]
 
 
 # -- the demo fleet ------------------------------------------------------------------------

@@ -330,6 +330,9 @@ class Cluster:
     # (re)started beside serving ones must not answer 503 for work they could do. 0: serve at
     # once (the first worker of a fresh server, so that /readyz can say why it is not ready).
     serve_after_ready_s: float = 0.0
+    # Whether this worker was told to stop (SIGTERM) before it serves: uvicorn acts on that
+    # only once started, so the wait above ends on it instead.
+    stopping: Callable[[], bool] = field(default=lambda: False, compare=False)
 
     @property
     def boards_dir(self) -> Path:

@@ -13,6 +13,7 @@ import ast
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -21,6 +22,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -747,6 +749,11 @@ def test_an_engine_that_cannot_run_here_stops_the_server_with_its_reason(
     with pytest.raises(AssertionError, match="fleetcache serve exited"):
         server.start(timeout_s=150)
     assert server.process is not None and server.process.wait(timeout=60) == 2
+    exited = time.time()
     log = server.log.read_text()
     assert reason in log and "cannot run here" in log
     assert "restarting" not in log, log
+    # the workers waiting for that engine stop at once: they used to wait out their 30 s
+    said = re.search(r"^(\S+ \S+) .*cannot run here", log, re.MULTILINE)
+    assert said is not None, log
+    assert exited - datetime.strptime(said[1], "%Y-%m-%d %H:%M:%S,%f").timestamp() < 15, log
