@@ -338,7 +338,10 @@ class FallbackEngine(Engine):
                 if self._closed:
                     return
                 if self._healthy:  # degraded, and now failing too
-                    self._healthy, self._reason = False, f"primary engine probe failed: {exc}"
+                    self._healthy, self._reason = (
+                        False,
+                        f"primary engine probe failed: {type(exc).__name__}: {exc}",
+                    )
                 self._backoff = min(self._backoff * 2, self.max_backoff_s)
                 self._schedule_probe()
             logger.info(

@@ -223,7 +223,7 @@ async def run_services(
                 app.state.services = None
     except Exception as exc:
         log.exception("start-up failed")
-        app.state.startup_error = f"start-up failed: {exc}"
+        app.state.startup_error = f"start-up failed: {type(exc).__name__}: {exc}"
     finally:
         opened_event.set()
 

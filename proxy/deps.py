@@ -13,6 +13,7 @@ from typing import Annotated
 from fastapi import Depends, Header, Request
 
 from proxy.errors import APIError
+from proxy.public import public_reason
 from proxy.services import Services, lane_for
 
 _CALLER = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,31}$")
@@ -20,7 +21,7 @@ _CALLER = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,31}$")
 
 def not_started_reason(request: Request) -> str:
     """Why there are no services yet: still starting, or the start-up error."""
-    return str(request.app.state.startup_error or "the service is starting")
+    return public_reason(str(request.app.state.startup_error or "the service is starting"))
 
 
 async def get_services(request: Request) -> Services:

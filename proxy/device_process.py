@@ -194,7 +194,7 @@ class DeviceProcessEngine(Engine):
                 try:
                     self._install(*self._start())
                 except Exception as exc:  # the next batch or probe asks again
-                    self._down = f"the device process did not start: {exc}"
+                    self._down = f"the device process did not start: {type(exc).__name__}: {exc}"
                     log.error("%s", self._down)
             self._started.set()
 

@@ -49,7 +49,7 @@ from engines.base import (
 from features.constraints import UnknownConstraintError
 from proxy.body import BodyError, media_type
 from proxy.ipc import ServiceUnavailableError
-from proxy.public import cut_paths
+from proxy.public import public_reason
 
 log = logging.getLogger("fleetcache.proxy")
 
@@ -193,14 +193,14 @@ def _unavailable(request: Request, exc: Exception) -> JSONResponse:
     service = exc.service if isinstance(exc, ServiceUnavailableError) else "engine"
     return error_response(
         503,
-        f"{service} unavailable, retry shortly: {cut_paths(str(exc))}",
+        f"{service} unavailable, retry shortly: {public_reason(str(exc))}",
         type=f"{service}_unavailable",
         headers={"Retry-After": "1"},
     )
 
 
 def _engine(request: Request, exc: Exception) -> JSONResponse:
-    message = f"inference engine unavailable: {cut_paths(str(exc))}"
+    message = f"inference engine unavailable: {public_reason(str(exc))}"
     return error_response(503, message, type="engine_error")
 
 

@@ -1,5 +1,6 @@
 """What an answer may say of the server's internals (API.md: error messages carry no absolute
-paths): the text of an exception with every absolute path cut to its file name."""
+paths and no internal exception text). The full text stays in the log and ``/v1/stats``
+(operators)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,17 @@ import re
 from pathlib import Path
 
 _PATH = re.compile(r"(?:/[^/\s'\"]+)+/?")
+# an exception's text inside a reason, as the engines write it: ``RuntimeError: ...`` or
+# ``RuntimeError('...')``, to the end
+_EXCEPTION = re.compile(r"\b[A-Z]\w*(?:Error|Exception)(?::\s|\().*", re.DOTALL)
 
 
 def cut_paths(text: str) -> str:
     """``text`` with each absolute path (``/a/b/c.h:583``) cut to its last part (``c.h:583``)."""
     return _PATH.sub(lambda m: Path(m.group()).name, text)
+
+
+def public_reason(reason: str) -> str:
+    """``reason`` as an error answer may give it: an exception's text in it, from its class
+    name on, replaced by a pointer to the log, and each absolute path cut."""
+    return cut_paths(_EXCEPTION.sub("an error (its text is in the server log)", reason))

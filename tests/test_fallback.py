@@ -22,6 +22,7 @@ from engines.base import Batch, BatchError, EngineError, EngineUnavailableError,
 from engines.batcher import Batcher
 from engines.fake import FakeEngine
 from engines.fallback import PROBE_TEXTS, FallbackEngine
+from proxy.app import create_app
 from proxy.engine_host import build_engine
 from tests.conftest import make_settings, open_client, wait_ready
 
@@ -204,11 +205,12 @@ class PathEngine(FlakyEngine):
         return super().forward(batch)
 
 
-def test_an_engine_failure_answers_its_reason_without_absolute_paths(tmp_path: Path) -> None:
-    """API.md: error messages carry no absolute paths. A batch failed by its contents
-    (``engine_error``) and an engine failed by its device (``engine_unavailable``) answer
-    the engine's reason with each path cut to its file name (the onnxruntime engine's
-    failures named its library's source files)."""
+def test_an_engine_failure_answers_without_its_exception_text(tmp_path: Path) -> None:
+    """API.md: error messages carry no absolute paths and no internal exception text. A
+    batch failed by its contents (``engine_error``), an engine failed by its device
+    (``engine_unavailable``) and ``/readyz`` say what failed and point at the log; the
+    exception's text is for operators (``/v1/stats``). The onnxruntime engine's failures
+    named its library's source files."""
     primary = PathEngine()
     engine = FallbackEngine(primary, backoff_s=5.0, max_backoff_s=5.0)
     with open_client(make_settings(tmp_path), engine) as client:
@@ -219,9 +221,13 @@ def test_an_engine_failure_answers_its_reason_without_absolute_paths(tmp_path: P
         assert [a.status_code for a in answers] == [503, 503]
         errors = [a.json()["error"] for a in answers]
         assert [e["type"] for e in errors] == ["engine_error", "engine_unavailable"]
+        errors.append(client.get("/readyz").json()["error"])
+        assert "primary engine failed" in errors[-1]["message"]
         for error in errors:
-            assert "device lost at kernel.cu:42" in error["message"], error
-            assert "/opt" not in error["message"] and "private" not in error["message"]
+            assert "in the server log" in error["message"], error
+            assert "device lost" not in error["message"] and "EngineError" not in error["message"]
+            assert "/opt" not in error["message"] and "kernel.cu" not in error["message"]
+        assert "device lost at /opt/fleet/private/kernel.cu:42" in client.get("/v1/stats").text
 
 
 def engine_health(client: TestClient) -> dict[str, Any]:
@@ -244,7 +250,7 @@ def test_http_primary_failure_without_fallback(tmp_path: Path) -> None:
         primary.broken = True
         failed = client.post("/v1/embeddings", json={"input": ["new-1"]})
         assert failed.status_code == 503
-        assert "device lost" in failed.json()["error"]["message"]
+        assert "primary engine failed" in failed.json()["error"]["message"]
 
         ready = client.get("/readyz")
         assert ready.status_code == 503
@@ -307,3 +313,22 @@ def test_settings_build_a_watched_engine_with_a_same_fingerprint_fallback(tmp_pa
     assert build_engine(make_settings(tmp_path)).fallback is None
     with pytest.raises(ValueError, match="fingerprint"):
         build_engine(make_settings(tmp_path, engine="torch", fallback_engine="fake"))
+
+
+def test_a_failed_start_answers_without_its_exception_text(tmp_path: Path) -> None:
+    """A start-up that failed (here: the data directory is a file) answers every route 503
+    ``not_ready`` saying so, without the OS error's text or the server's paths."""
+    taken = tmp_path / "a-file"
+    taken.write_text("not a directory")
+    app = create_app(make_settings(taken / "data"), engine=FakeEngine())
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 30
+        while app.state.startup_error is None:
+            assert time.monotonic() < deadline, "the start did not fail"
+            time.sleep(0.05)
+        for answer in (client.get("/readyz"), client.post("/v1/embeddings", json={"input": "x"})):
+            assert answer.status_code == 503
+            error = answer.json()["error"]
+            assert error["type"] == "not_ready" and "start-up failed" in error["message"]
+            assert "Errno" not in error["message"] and str(tmp_path) not in error["message"]
+            assert "a-file" not in error["message"], error

@@ -13,6 +13,7 @@ from proxy.dashboard import dashboard_html
 from proxy.deps import ServicesDep, not_started_reason
 from proxy.errors import API_ERRORS, error_response
 from proxy.metrics import build_registry
+from proxy.public import public_reason
 from proxy.stats import build_stats
 
 router = APIRouter(tags=["operators"], route_class=JSONRoute, responses=API_ERRORS)
@@ -35,7 +36,7 @@ async def readyz(request: Request) -> Response:
         return error_response(503, not_started_reason(request), type="not_ready")
     ready, reason = services.ready
     if not ready:
-        return error_response(503, reason, type="not_ready")
+        return error_response(503, public_reason(reason), type="not_ready")
     return Response('{"status":"ready"}', media_type="application/json")
 
 
