@@ -46,6 +46,8 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
 
 def test_counting_hits_misses_and_items(client: TestClient, fake_engine: FakeEngine) -> None:
     warm = fake_engine.items  # the start-up warm-up runs the engine directly
+    zero = {"hits": 0, "misses": 0, "coalesced": 0}  # both callers, before any lookup
+    assert client.get("/v1/stats").json()["by_caller"] == {"dispatch": zero, "warmup": zero}
     first = embed(client, ["a", "b", "c"])
     assert (first.headers["X-Cache-Hits"], first.headers["X-Cache-Misses"]) == ("0", "3")
     second = embed(client, ["a", "b", "d"])
