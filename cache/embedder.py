@@ -58,7 +58,14 @@ from cache import codec
 from cache.flight import ComputeFn, Flight, SingleFlight
 from cache.links import Entity, EntityLinks
 from cache.stats import CacheStats
-from cache.stores import CacheStore, ErrorLog, MemoryByteStore, TieredByteStore, log
+from cache.stores import (
+    CacheStore,
+    ErrorLog,
+    MemoryByteStore,
+    TieredByteStore,
+    log,
+    read_uncounted,
+)
 from cache.writer import VectorWriter
 
 Vectors = npt.NDArray[np.float32]
@@ -489,7 +496,7 @@ class CachedEmbedder(_AsyncEmbeddings):
         counts no lookup (the drift check compares these with fresh ones)."""
         keys = [self.key(t) for t in texts]
         try:
-            raw = await self._store.amget(keys)
+            raw = await read_uncounted(self._store, keys)
         except Exception as exc:
             self._errors.record("stored", exc)
             return [None] * len(keys)

@@ -20,7 +20,7 @@ from typing import NamedTuple
 from langchain_core.stores import ByteStore
 
 from cache.base import ErrorLog
-from cache.stores import TieredByteStore
+from cache.stores import TieredByteStore, read_uncounted
 
 LINK_PREFIX = "link:"
 
@@ -78,7 +78,7 @@ class EntityLinks:
             for (kind, eid), key in zip(entities, keys, strict=True)
         }
         current = set(links.values())
-        old = await self._store.amget(list(links))
+        old = await read_uncounted(self._store, list(links))
         changed = [
             (lk, new) for (lk, new), was in zip(links.items(), old, strict=True) if was != new
         ]

@@ -555,8 +555,9 @@ class TieredByteStore(CacheStore):
 
     Writes go to ``store`` then memory. Any exception from ``store`` is logged (throttled),
     counted in ``store_errors`` and swallowed: on read its keys count as missing, on write
-    memory is still written. ``memory_hits`` / ``store_hits`` count keys found per tier. The
-    memory tier never leaves the calling thread; only ``store``'s own async forms may hop.
+    memory is still written. ``memory_hits`` / ``store_hits`` count keys found per tier by
+    lookups (not by ``read_uncounted``: entity links, the drift check's reads). The memory
+    tier never leaves the calling thread; only ``store``'s own async forms may hop.
     ``store=None`` is a memory-only cache (``store_kind == "none"``).
 
     Degraded mode: after a store error the store is ``store_degraded`` and reads and writes
@@ -634,10 +635,12 @@ class TieredByteStore(CacheStore):
             self.store_skipped += 1
         return None
 
-    def _from_memory(self, keys: Sequence[str]) -> tuple[list[bytes | None], list[int]]:
+    def _from_memory(
+        self, keys: Sequence[str], counted: bool
+    ) -> tuple[list[bytes | None], list[int]]:
         values = self.memory.mget(keys)
         missing = [i for i, v in enumerate(values) if v is None]
-        if len(missing) < len(keys):
+        if counted and len(missing) < len(keys):
             with self._lock:
                 self.memory_hits += len(keys) - len(missing)
         return values, missing
@@ -648,6 +651,7 @@ class TieredByteStore(CacheStore):
         values: list[bytes | None],
         missing: list[int],
         fetched: Sequence[bytes | None],
+        counted: bool,
     ) -> list[bytes | None]:
         promote = []
         for i, value in zip(missing, fetched, strict=True):
@@ -656,27 +660,29 @@ class TieredByteStore(CacheStore):
                 promote.append((keys[i], value))
         if promote:
             self.memory.mset(promote)
+        if promote and counted:
             with self._lock:
                 self.store_hits += len(promote)
         return values
 
-    def mget(self, keys: Sequence[str]) -> list[bytes | None]:
-        values, missing = self._from_memory(keys)
+    def mget(self, keys: Sequence[str], *, counted: bool = True) -> list[bytes | None]:
+        """``counted=False``: a read that is no cache lookup (``read_uncounted``)."""
+        values, missing = self._from_memory(keys, counted)
         store = self._live_store() if missing else None
         if store is None:
             return values
         with self._guarded("mget") as call:
             fetched = store.mget([keys[i] for i in missing])
-        return self._merge(keys, values, missing, fetched) if call.ok else values
+        return self._merge(keys, values, missing, fetched, counted) if call.ok else values
 
-    async def amget(self, keys: Sequence[str]) -> list[bytes | None]:
-        values, missing = self._from_memory(keys)
+    async def amget(self, keys: Sequence[str], *, counted: bool = True) -> list[bytes | None]:
+        values, missing = self._from_memory(keys, counted)
         store = self._live_store() if missing else None
         if store is None:
             return values
         with self._guarded("mget") as call:
             fetched = await store.amget([keys[i] for i in missing])
-        return self._merge(keys, values, missing, fetched) if call.ok else values
+        return self._merge(keys, values, missing, fetched, counted) if call.ok else values
 
     def mset(self, key_value_pairs: Sequence[tuple[str, bytes]]) -> None:
         store = self._live_store() if key_value_pairs else None
@@ -895,3 +901,12 @@ def build_store(
     else:
         raise ValueError(f"unknown cache store kind {kind!r}; use 'memory', 'lmdb' or 'redis'")
     return TieredByteStore(memory, store, retry_after_s=retry_after_s)
+
+
+async def read_uncounted(store: ByteStore, keys: Sequence[str]) -> list[bytes | None]:
+    """``store.amget(keys)`` for a read that is no cache lookup (an entity's link, the drift
+    check's stored vectors): a tiered store counts no tier hit for it (API.md's tier hits are
+    where lookups were found)."""
+    if isinstance(store, TieredByteStore):
+        return await store.amget(keys, counted=False)
+    return await store.amget(keys)

@@ -168,6 +168,10 @@ def test_features_embed_reports_hits_per_record(client: TestClient) -> None:
     assert [r["cache"] for r in again["results"]] == ["hit", "hit"]
     assert "embedding" not in again["results"][0]
     assert (again["hits"], again["misses"]) == (2, 0)
+    # a tier's hits are lookups found there: the records' link reads are none of them
+    cache = client.get("/v1/stats").json()["cache"]
+    assert cache["hits"] == 2
+    assert cache["tiers"]["memory"]["hits"] + cache["tiers"]["store"]["hits"] == 2, cache
 
 
 def test_fleet_crud_and_patch_never_calls_the_engine(

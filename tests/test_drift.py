@@ -109,6 +109,7 @@ def test_a_healthy_engine_has_not_drifted_and_the_check_is_no_lookup(
     assert after["inference"]["items"] == before["inference"]["items"]  # not lookups
     assert after["cache"]["misses"] == before["cache"]["misses"]
     assert after["cache"]["hits"] == before["cache"]["hits"]
+    assert after["cache"]["tiers"] == before["cache"]["tiers"]  # no tier hit either
     drift = after["cache"]["drift"]
     assert {k: drift[k] for k in result} == result and drift["at"] <= time.time()
     text = admin_client.get("/metrics").text
