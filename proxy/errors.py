@@ -27,8 +27,9 @@ Exceptions translated here, one handler per family::
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -166,6 +167,16 @@ def _constraint(request: Request, exc: Exception) -> JSONResponse:
 
 def _too_large(request: Request, exc: Exception) -> JSONResponse:
     return error_response(413, str(exc), type="invalid_request_error", param="input")
+
+
+@contextlib.contextmanager
+def texts_of(param: str) -> Iterator[None]:
+    """Around a route's embedding of records: more new texts than the queue can ever hold
+    is a 413 naming ``param``, the request's field that holds them (``input`` otherwise)."""
+    try:
+        yield
+    except TooLargeError as exc:
+        raise APIError(413, str(exc), param=param) from exc
 
 
 def _queue_full(request: Request, exc: Exception) -> JSONResponse:

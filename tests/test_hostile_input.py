@@ -340,6 +340,11 @@ def test_more_new_texts_than_the_queue_holds_is_a_413_not_a_429(tmp_path: Path) 
         )
         assert response.status_code == 413, response.status_code  # 33 distinct new texts
         assert "Retry-After" not in response.headers
+        assert response.json()["error"]["param"] == "vehicles"  # the field holding them
+        drivers = [driver(driver_id=f"D{i}", **{"profile.home_zone": f"z{i}"}) for i in range(33)]
+        put = client.put("/v1/fleet/drivers", json={"drivers": drivers})
+        assert (put.status_code, put.json()["error"]["param"]) == (413, "drivers")
+        assert client.get("/v1/stats").json()["fleet"]["drivers"] == 0  # none indexed
         assert client.post("/v1/embeddings", json={"input": texts[:32]}).status_code == 200
 
 

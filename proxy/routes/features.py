@@ -12,7 +12,7 @@ from features.models import DriverRecord, VehicleRecord
 from features.text import driver_text, vehicle_text
 from proxy.body import JSONRoute
 from proxy.deps import CallerDep, ServicesDep
-from proxy.errors import API_ERRORS, APIError
+from proxy.errors import API_ERRORS, APIError, texts_of
 from proxy.responses import FastJSONResponse
 
 router = APIRouter(tags=["features"], route_class=JSONRoute, responses=API_ERRORS)
@@ -47,10 +47,12 @@ async def embed_features(
 ) -> Response:
     started = time.perf_counter()
     n = len(body.drivers) + len(body.vehicles)
-    check_record_count(n, services.settings.max_records_per_request, "drivers")
+    field = "drivers" if body.drivers else "vehicles"
+    check_record_count(n, services.settings.max_records_per_request, field)
     entities = [Entity("driver", d.driver_id, driver_text(d)) for d in body.drivers]
     entities += [Entity("vehicle", v.vehicle_id, vehicle_text(v)) for v in body.vehicles]
-    result = await services.embed_entities(entities, caller.label, caller.lane)
+    with texts_of(field):
+        result = await services.embed_entities(entities, caller.label, caller.lane)
     results = []
     for (entity, entity_id, _), status, row in zip(
         entities, result.statuses, result.vectors, strict=True

@@ -23,7 +23,7 @@ from indexes.changes import Positions
 from indexes.columns import timestamp_us
 from proxy.body import JSONRoute
 from proxy.deps import CallerDep, ServicesDep
-from proxy.errors import API_ERRORS, APIError
+from proxy.errors import API_ERRORS, APIError, texts_of
 from proxy.responses import FastJSONResponse
 from proxy.routes.features import check_record_count
 
@@ -77,7 +77,10 @@ def record_json(record: DriverRecord) -> dict[str, Any]:
 async def upsert_drivers(body: UpsertRequest, services: ServicesDep, caller: CallerDep) -> Response:
     started = time.perf_counter()
     check_record_count(len(body.drivers), services.settings.max_records_per_request, "drivers")
-    upserted, result = await services.upsert_drivers(body.drivers, caller.label, lane=caller.lane)
+    with texts_of("drivers"):
+        upserted, result = await services.upsert_drivers(
+            body.drivers, caller.label, lane=caller.lane
+        )
     services.latency.observe("fleet_upsert", result.misses, time.perf_counter() - started)
     headers = {"X-Cache-Hits": str(result.not_sent), "X-Cache-Misses": str(result.misses)}
     return FastJSONResponse({"upserted": upserted, "embedded": result.misses}, headers=headers)
