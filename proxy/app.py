@@ -290,7 +290,8 @@ def open_key_ring(settings: Settings) -> KeyRing | None:
     """The keys of ``FLEETCACHE_API_KEYS_FILE`` (a bad file raises ``KeysFileError``), or
     None: the service is open but for its admin routes, and the log says so."""
     if settings.api_keys_file is None:
-        log.warning("auth off: no FLEETCACHE_API_KEYS_FILE, every route but /v1/cache/... is open")
+        closed = "/v1/cache/..." if settings.metrics_public else "/v1/cache/... and /metrics"
+        log.warning("auth off: no FLEETCACHE_API_KEYS_FILE, every route but %s is open", closed)
         return None
     ring = KeyRing(settings.api_keys_file, settings.admin_token)
     log.info("auth on: %d API keys from %s", len(ring), settings.api_keys_file)

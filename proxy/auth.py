@@ -71,7 +71,7 @@ SCOPES: dict[str, frozenset[str]] = {
 }
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-_HASH = re.compile(r"^[0-9a-f]{64}$")
+_HASH = re.compile(r"^[0-9a-fA-F]{64}$")  # as sha256sum writes it, or upper case
 
 
 class KeysFileError(ValueError):

@@ -5,6 +5,7 @@ CLI's keys commands and ``--api-key``, and no key in any log line."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 import stat
@@ -21,7 +22,15 @@ from typer.testing import CliRunner
 from engines.fake import FakeEngine
 from features.synthetic import iter_fleet
 from proxy.app import create_app
-from proxy.auth import SCOPES, KeyRing, KeysFileError, add_key, revoke_key, route_rows
+from proxy.auth import (
+    SCOPES,
+    KeyRing,
+    KeysFileError,
+    add_key,
+    parse_keys,
+    revoke_key,
+    route_rows,
+)
 from proxy.cli import app as cli
 from tests.conftest import LiveServer, make_settings, wait_ready
 from tests.serve_process import FleetcacheServer
@@ -364,3 +373,10 @@ def test_every_worker_of_a_served_tree_reloads_the_keys(tmp_path: Path) -> None:
         assert statuses(late) == {401} and statuses(operator) == {200}
     finally:
         assert server.stop() == 0
+
+
+def test_a_hash_written_in_upper_case_is_the_same_key() -> None:
+    """A keys file written by another tool than ``fleetcache keys`` (upper-case hex) used to
+    stop the server at start."""
+    digest = hashlib.sha256(b"fc_some_key").hexdigest()
+    assert parse_keys(f"ops operator {digest.upper()}") == parse_keys(f"ops operator {digest}")
