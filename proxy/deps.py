@@ -16,7 +16,17 @@ from proxy.errors import APIError
 from proxy.public import public_reason
 from proxy.services import Services, lane_for
 
-_CALLER = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,31}$")
+_NOT_LABEL = re.compile(r"[^a-z0-9_.-]+")
+
+
+def caller_label(header: str | None) -> str:
+    """``X-Caller`` as its ``by_caller`` label (API.md sets no format: any value is one): lower
+    case, each run of other characters than ``a-z 0-9 _ . -`` one ``_``, at most 32
+    characters; ``dispatch`` when absent or blank, ``other`` when nothing of it is left."""
+    header = (header or "").strip().lower()
+    if not header:
+        return "dispatch"
+    return _NOT_LABEL.sub("_", header)[:32].strip("_") or "other"
 
 
 def not_started_reason(request: Request) -> str:
@@ -42,11 +52,7 @@ class Caller:
 
 
 async def get_caller(request: Request, x_caller: Annotated[str | None, Header()] = None) -> Caller:
-    label = (x_caller or "dispatch").strip().lower()
-    if not _CALLER.match(label):
-        raise APIError(
-            422, "X-Caller must be 1-32 characters of a-z, 0-9, '_', '.', '-'", param="X-Caller"
-        )
+    label = caller_label(x_caller)
     return Caller(label, request.scope.get("state", {}).get("lane") or lane_for(label))
 
 

@@ -142,11 +142,19 @@ def test_unknown_constraint_lists_the_known_ones(strict_client: TestClient) -> N
         assert known in message
 
 
-def test_bad_caller_header_is_a_422(strict_client: TestClient) -> None:
-    response = strict_client.post(
-        "/v1/embeddings", json={"input": "x"}, headers={"X-Caller": "Bad Caller!"}
-    )
-    assert_error(response, 422, "X-Caller")
+def test_any_caller_header_is_a_label(client: TestClient) -> None:
+    """API.md sets no format for ``X-Caller``: a label such as ``Dispatch-Scheduler/2.1``
+    used to get a 422 on every call; it is kept as a bounded, safe label instead."""
+    for header, label in [
+        ("Dispatch-Scheduler/2.1", "dispatch-scheduler_2.1"),
+        ("Bad Caller!", "bad_caller"),
+        ("x" * 40, "x" * 32),
+        ("!!!", "other"),
+        (" ", "dispatch"),
+    ]:
+        response = client.post("/v1/embeddings", json={"input": "x"}, headers={"X-Caller": header})
+        assert response.status_code == 200, response.text
+        assert label in client.get("/v1/stats").json()["by_caller"], header
 
 
 def test_nothing_was_written_by_bad_requests(strict_client: TestClient) -> None:

@@ -47,7 +47,7 @@ async def embed_features(
 ) -> Response:
     started = time.perf_counter()
     n = len(body.drivers) + len(body.vehicles)
-    field = "drivers" if body.drivers else "vehicles"
+    field = "vehicles" if body.vehicles and not body.drivers else "drivers"
     check_record_count(n, services.settings.max_records_per_request, field)
     entities = [Entity("driver", d.driver_id, driver_text(d)) for d in body.drivers]
     entities += [Entity("vehicle", v.vehicle_id, vehicle_text(v)) for v in body.vehicles]
