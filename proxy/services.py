@@ -51,7 +51,7 @@ from proxy.engine_host import (
     open_engine_host,
 )
 from proxy.index_host import IndexService, RemoteIndex, open_index_host
-from proxy.ipc import RpcClient, address
+from proxy.ipc import RpcClient, ServiceUnavailableError, address
 from proxy.routing import EngineRouter
 from proxy.settings import Settings
 from proxy.telemetry import BoardCacheStats, RequestLatency
@@ -158,11 +158,17 @@ class Services:
         """Drop an entity's cached vector from every tier of every worker (None: never
         embedded). The other workers' memory tiers have dropped it when this returns; they
         are reached through the engine process (``ServiceUnavailableError`` while it is
-        down), and the entity's link goes last, so that a retry finds the entity again."""
+        down, or while a worker did not confirm its drop: ``workers_unavailable``), and the
+        entity's link goes last, so that a retry finds the entity again."""
         dropped = await self.embedder.links.drop(kind, entity_id)
         if dropped is None:
             return None
-        await self.engine.invalidate(dropped[1])
+        reply = await self.engine.invalidate(dropped[1])
+        if silent := reply.get("silent"):
+            raise ServiceUnavailableError(
+                f"{len(silent)} of {reply['workers']} workers did not confirm the drop in time",
+                "workers",
+            )
         await self.embedder.links.unlink(kind, entity_id)
         return dropped[0]
 

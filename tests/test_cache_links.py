@@ -83,6 +83,33 @@ def test_delete_drops_the_vector_and_the_next_embed_computes_it_again(
     assert second.status_code == 404  # the link went with the vector
 
 
+def test_a_delete_a_worker_did_not_confirm_is_a_503_and_its_retry_finishes_it(
+    admin_client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """API.md: invalidations reach every worker's memory tier before the 200. A worker that
+    did not confirm its drop in time (the engine process asks each) makes it a 503 with
+    Retry-After; the entity stays linked, so the retry drops it everywhere and answers 200."""
+    (record,) = (driver_json(d) for d in generate_fleet(1, seed=12))
+    embed(admin_client, [record])
+    engine = admin_client.app.state.services.engine  # type: ignore[attr-defined]
+    confirmed = engine.invalidate
+
+    async def one_silent(keys: Any) -> dict[str, Any]:
+        return {"workers": 2, "silent": ["worker-1"]}
+
+    monkeypatch.setattr(engine, "invalidate", one_silent)
+    path = f"/v1/cache/entities/driver/{record['driver_id']}"
+    refused = admin_client.delete(path, headers=ADMIN)
+    assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+    error = refused.json()["error"]
+    assert error["type"] == "workers_unavailable" and "1 of 2 workers" in error["message"]
+    monkeypatch.setattr(engine, "invalidate", confirmed)
+    retried = admin_client.delete(path, headers=ADMIN)
+    assert retried.status_code == 200, retried.text
+    assert admin_client.delete(path, headers=ADMIN).status_code == 404  # now unlinked
+    assert embed(admin_client, [record])["misses"] == 1
+
+
 def test_an_id_with_a_slash_is_forgotten_through_its_percent_encoded_path(
     admin_client: TestClient,
 ) -> None:
