@@ -52,7 +52,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import NamedTuple, Protocol, cast, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -66,11 +66,6 @@ Vectors = npt.NDArray[np.float32]
 Row = npt.NDArray[np.float32]
 ComputeFn = Callable[[Sequence[str], str], Awaitable[Vectors]]
 """``async compute(texts, lane) -> (len(texts), dim) float32``; production: Batcher.submit."""
-OnRows = Callable[[Vectors], None]
-HandingFn = Callable[[Sequence[str], str, OnRows], Awaitable[Vectors]]
-"""``async compute(texts, lane, on_rows)`` that also hands its rows to ``on_rows`` on the loop
-the moment they are in, a turn of the loop before it returns them (``Batcher.submit``'s
-``on_rows``): the flight's callers then resume a turn earlier."""
 Ttls = Mapping[str, float]  # text -> seconds, for the texts written with a TTL
 Links = Sequence[tuple[str, str, str]]  # (kind, id, text): entities whose texts these are
 Since = float | Sequence[Sequence[float | None]] | None
@@ -176,7 +171,7 @@ class SingleFlight:
 
     def __init__(
         self,
-        compute: ComputeFn | HandingFn,
+        compute: ComputeFn,
         dim: int,
         *,
         write_back: WriteBackFn | None = None,
@@ -187,15 +182,12 @@ class SingleFlight:
         on_settled: Callable[[], None] | None = None,
         max_unwritten: int | None = None,
         own_rows: bool = False,
-        hands_rows: bool = False,
     ) -> None:
         """``own_rows``: ``compute`` hands over the arrays it returns (never touches them
-        again: the batcher's), kept as they are instead of copied (a batch's rows: 0.4 MB).
-        ``hands_rows``: ``compute`` is a ``HandingFn``."""
+        again: the batcher's), kept as they are instead of copied (a batch's rows: 0.4 MB)."""
         if max_unwritten is not None and max_unwritten < 2:
             raise ValueError(f"max_unwritten must be at least 2, got {max_unwritten}")
         self._compute = compute
-        self._hands_rows = hands_rows
         self._dim = dim
         self._write_back = write_back
         self._stats = stats
@@ -354,41 +346,25 @@ class SingleFlight:
         fut = flight.future
         stored = False  # written back: then it stays joinable a little longer (``recent``)
         computed = 0  # rows waiting for the store (``unwritten``)
-
-        def answer(rows: Vectors) -> None:
-            """The callers may go on: from ``compute`` on the loop as its rows are all in
-            (a turn before it returns), or once it returned them."""
-            if fut.done():
-                return
-            # Read-only (a copy unless handed over): every caller coalesced on them shares them.
-            kept = self._keep(rows, dtype=np.float32)
-            if kept.shape != (len(texts), self._dim):
-                return
-            kept.flags.writeable = False
-            fut.set_result(kept)  # answered now; the entries stay until written back
-            flight.wake()
-
         try:
             try:
-                if self._hands_rows:
-                    computed_rows = await cast(HandingFn, self._compute)(texts, lane, answer)
-                else:
-                    computed_rows = await cast(ComputeFn, self._compute)(texts, lane)
-                answer(computed_rows)
-                if not fut.done():
+                # Read-only (a copy unless handed over): every caller coalesced on them shares them.
+                rows = self._keep(await self._compute(texts, lane), dtype=np.float32)
+                if rows.shape != (len(texts), self._dim):
                     raise EngineError(
-                        f"compute returned shape {np.shape(computed_rows)} for {len(texts)} texts, "
+                        f"compute returned shape {rows.shape} for {len(texts)} texts, "
                         f"expected ({len(texts)}, {self._dim})"
                     )
+                rows.flags.writeable = False
             except BaseException as exc:
                 err = exc if isinstance(exc, Exception) else EngineError(f"aborted: {exc!r}")
-                if not fut.done():
-                    fut.set_exception(err)
-                    flight.wake()
+                fut.set_exception(err)
+                flight.wake()
                 if err is not exc:
                     raise
                 return
-            rows = fut.result()
+            fut.set_result(rows)  # answered now; the entries stay until written back
+            flight.wake()
             computed = len(texts)
             self.unwritten += computed
             if self._write_back is not None:

@@ -146,7 +146,6 @@ class _Request:
         "lane",
         "lengths",
         "longest",
-        "on_rows",
         "rows",
         "sent",
         "submitted",
@@ -165,10 +164,8 @@ class _Request:
         tag: str,
         counted: bool = True,
         lengths: npt.NDArray[np.int64] | None = None,
-        on_rows: Callable[[Vectors], None] | None = None,
     ) -> None:
         self.texts = texts
-        self.on_rows = on_rows
         self.lengths = lengths  # each text's padded length, when known before tokenizing
         self.longest = 0 if lengths is None else int(lengths.max(initial=0))
         self.lane = lane
@@ -359,7 +356,6 @@ class Batcher:
         deadline: float | None = None,
         tag: str = "",
         counted: bool = True,
-        on_rows: Callable[[Vectors], None] | None = None,
     ) -> Vectors:
         """The ``(len(texts), dim)`` float32 vectors of ``texts``, in input order.
 
@@ -367,8 +363,6 @@ class Batcher:
         ``deadline_after``); ``tag`` is handed to ``on_sent`` (the caller, for counting).
         ``counted=False``: no lookup's misses (a drift check's re-embeds): their texts count
         in ``uncounted_items``, not in ``items``, and are never handed to ``on_sent``.
-        ``on_rows(rows)``: called on the loop with the same rows the moment they are all in,
-        a turn of the loop before this call returns them (``cache.flight.HandingFn``).
         Raises ``QueueFullError`` at once (nothing queued) when the queue cannot take all of
         ``texts``; ``DeadlineExceededError`` when the deadline passes before all of
         ``texts`` reached the engine; ``EngineUnavailableError`` at once while the engine's
@@ -400,15 +394,7 @@ class Batcher:
         texts = owned(texts)
         lengths = None if self.max_batch_tokens is None else self.engine.padded_lengths(texts)
         request = _Request(
-            texts,
-            loop.create_future(),
-            self.engine.dim,
-            lane,
-            deadline,
-            tag,
-            counted,
-            lengths,
-            on_rows,
+            texts, loop.create_future(), self.engine.dim, lane, deadline, tag, counted, lengths
         )
         self._lanes[lane].append(request)
         self._queued += len(texts)
@@ -728,17 +714,7 @@ class Batcher:
                 request.filled += stop - start
                 if request.filled == len(request.texts):
                     request.future.set_result(request.rows)
-                    if request.on_rows is not None:
-                        self._hand_rows(request)
             offset += stop - start
-
-    @staticmethod
-    def _hand_rows(request: _Request) -> None:
-        assert request.on_rows is not None
-        try:
-            request.on_rows(request.rows)
-        except Exception:  # its caller still gets them from ``submit``; the batch goes on
-            logger.exception("on_rows of a request of %d texts failed", len(request.texts))
 
     def _embed(self, texts: list[str], tokens: Batch | None) -> tuple[Vectors, list[float]]:
         """Runs on the engine thread; tokenizes here unless the batch was tokenized ahead.

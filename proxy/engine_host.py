@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import zmq
 
-from cache.flight import Flown, OnRows, Since, SingleFlight, Vectors
+from cache.flight import Flown, Since, SingleFlight, Vectors
 from cache.stores import TieredByteStore
 from cache.writer import VectorWriter
 from engines.base import BatchError, Engine, EngineInfo
@@ -177,7 +177,6 @@ class EngineHost:
             on_settled=self.publish,  # the in-flight gauge, once written back
             max_unwritten=settings.max_unwritten if writer is not None else None,
             own_rows=True,  # each request's rows are its own (``Batcher.submit``)
-            hands_rows=True,  # its callers resume as the batch's answer comes
         )
 
     def _queue_wait(self, lane: str, seconds: float) -> None:
@@ -200,9 +199,9 @@ class EngineHost:
         self.stats.record(caller, 0, 0, count, 0.0)
         self.publish()
 
-    async def _compute(self, texts: Sequence[str], lane: str, on_rows: OnRows) -> Vectors:
+    async def _compute(self, texts: Sequence[str], lane: str) -> Vectors:
         deadline = deadline_after(self._deadlines_ms[lane])
-        return await self.batcher.submit(texts, lane, deadline, tag=_CALLER.get(), on_rows=on_rows)
+        return await self.batcher.submit(texts, lane, deadline, tag=_CALLER.get())
 
     def _own_keys(self, keys: Sequence[str]) -> bool:
         """Whether each of ``keys`` is a string of this engine's namespace (one C call a key:
@@ -671,7 +670,7 @@ class RemoteEngine:
             del self._open[group]
         outcome: Flown | BaseException
         try:
-            outcome = await self._send(merged, merged.parts)  # its callers answered as it came
+            outcome = await self._send(merged, merged.parts)
         except BatchError as exc:  # failed by what it held: each caller's part alone (as
             if len(merged.parts) > 1:  # the batcher does), only those whose texts fail fail
                 await asyncio.gather(*(self._alone(merged, part) for part in merged.parts))
@@ -686,32 +685,19 @@ class RemoteEngine:
 
     async def _alone(self, merged: _Merged, part: _Part) -> None:
         try:
-            await self._send(merged, [part], offset=part.start)
+            outcome = await self._send(merged, [part])
         except BaseException as exc:
             _answer(part, exc)
             if not isinstance(exc, Exception):
                 raise
+        else:
+            _answer(part, outcome, offset=part.start)
 
-    async def _send(self, merged: _Merged, parts: Sequence[_Part], offset: int = 0) -> Flown:
-        """One engine call of ``parts`` of ``merged`` (its lane, caller and durability),
-        whose first text is the merged call's text ``offset``. Its rows answer each caller
-        as they arrive, in the socket's callback: a turn of the loop before this returns."""
+    async def _send(self, merged: _Merged, parts: Sequence[_Part]) -> Flown:
+        """One engine call of ``parts`` of ``merged`` (its lane, caller and durability)."""
         arguments = _call_arguments(parts)
         tokens, blobs = self._token_ids(arguments["texts"])
         started = time.perf_counter()
-        flown: list[Flown] = []
-
-        def read(reply: Msg, frames: Frames) -> Flown:
-            rows = frame_rows(frames[0], self.info.dim)
-            return Flown(rows, [bool(c) for c in reply["coalesced"]])
-
-        def arrived(reply: Msg, frames: Frames) -> None:
-            if self._on_call is not None:
-                self._on_call(time.perf_counter() - started)
-            flown.append(read(reply, frames))
-            for part in parts:
-                _answer(part, flown[0], offset)
-
         reply, frames = await self.client.call(
             "embed",
             blobs,
@@ -720,9 +706,10 @@ class RemoteEngine:
             lane=merged.lane,
             caller=merged.caller,
             durable=merged.durable,
-            on_reply=arrived,
         )
-        return flown[0] if flown else read(reply, frames)  # raises what ``arrived`` met
+        if self._on_call is not None:
+            self._on_call(time.perf_counter() - started)
+        return Flown(frame_rows(frames[0], self.info.dim), [bool(c) for c in reply["coalesced"]])
 
     def health(self) -> EngineHealth:
         if not self.client.up:

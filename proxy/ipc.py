@@ -54,7 +54,6 @@ log = logging.getLogger("fleetcache.ipc")
 
 Blobs = Sequence[bytes | memoryview | zmq.Frame]
 Reply = tuple[dict[str, Any], list[zmq.Frame]]
-OnReply = Callable[[dict[str, Any], list[zmq.Frame]], None]
 Handler = Callable[[dict[str, Any], list[zmq.Frame]], Awaitable[tuple[dict[str, Any], Blobs]]]
 ClientHandler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
@@ -343,7 +342,6 @@ class RpcClient:
         self._down_after_s = down_after_s
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Reply]] = {}
-        self._on_reply: dict[int, OnReply] = {}  # of the pending calls that gave one
         self._tasks: list[asyncio.Task[None]] = []
         self._answered = -1.0  # when the server last answered (monotonic)
         self.up = False
@@ -381,21 +379,12 @@ class RpcClient:
         self._sock.close()
 
     async def call(
-        self,
-        op: str,
-        blobs: Blobs = (),
-        *,
-        timeout_s: float | None = None,
-        on_reply: OnReply | None = None,
-        **args: Any,
+        self, op: str, blobs: Blobs = (), *, timeout_s: float | None = None, **args: Any
     ) -> Reply:
-        """The server's answer to ``op`` (its own errors raised again here). ``on_reply``:
-        called with an answer that is not an error as it arrives, in the socket's callback,
-        a turn of the loop before this call returns it (its caller's callers may go on
-        there)."""
+        """The server's answer to ``op`` (its own errors raised again here)."""
         if not self.up and op != "ping":
             raise ServiceUnavailableError(f"{self._name} is not answering", self.service)
-        return await self._call(op, blobs, timeout_s, args, on_reply)
+        return await self._call(op, blobs, timeout_s, args)
 
     @property
     def service(self) -> str:
@@ -407,18 +396,11 @@ class RpcClient:
         return f"the {self.address.rsplit('/', 1)[-1].removesuffix('.sock')} process"
 
     async def _call(
-        self,
-        op: str,
-        blobs: Blobs,
-        timeout_s: float | None,
-        args: dict[str, Any],
-        on_reply: OnReply | None = None,
+        self, op: str, blobs: Blobs, timeout_s: float | None, args: dict[str, Any]
     ) -> Reply:
         call_id = next(self._ids)
         future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._pending[call_id] = future
-        if on_reply is not None:
-            self._on_reply[call_id] = on_reply
         try:
             header = _encode({"id": call_id, "op": op, **args})
             try:
@@ -434,7 +416,6 @@ class RpcClient:
                     reply, frames = await future
         finally:
             self._pending.pop(call_id, None)
-            self._on_reply.pop(call_id, None)
         error = reply.get("error")
         if error is not None:
             raise_payload(error)
@@ -448,17 +429,9 @@ class RpcClient:
             self._tasks.append(task)
             task.add_done_callback(self._tasks.remove)
             return
-        call_id = message.get("id", -1)
-        future = self._pending.get(call_id)
-        if future is None or future.done():
-            return
-        future.set_result((message, frames[1:]))
-        on_reply = self._on_reply.pop(call_id, None)
-        if on_reply is not None and "error" not in message:
-            try:
-                on_reply(message, frames[1:])
-            except Exception:  # its caller still gets the answer from ``call``
-                log.exception("on_reply of a %s call failed", self._service)
+        future = self._pending.get(message.get("id", -1))
+        if future is not None and not future.done():
+            future.set_result((message, frames[1:]))
 
     async def _answer(self, message: dict[str, Any]) -> None:
         try:

@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from cache.flight import OnRows, SingleFlight
+from cache.flight import SingleFlight
 from engines.base import (
     Batch,
     BatchError,
@@ -671,28 +671,6 @@ def test_a_miss_s_caller_resumes_two_turns_after_its_batch_s_outcome_arrives() -
                 await flight.embed([text], lane="dispatch", caller="dispatch")
 
             assert await outcome_turns(engine, batcher, embed) == 2
-
-    run(test)
-
-
-def test_a_miss_s_caller_resumes_in_the_turn_after_its_batch_s_outcome_with_rows_handed() -> None:
-    """With the batcher's ``on_rows`` (``hands_rows``, the engine process's flight) the
-    outcome's callback resolves the callers' futures itself: a turn less than above, as
-    soon as a submitter of its own."""
-
-    async def test() -> None:
-        engine = ThreadRecordingEngine(hold=True)
-        async with Batcher(engine, max_batch_size=1) as batcher:
-
-            async def compute(texts: Sequence[str], lane: str, on_rows: OnRows) -> Vectors:
-                return await batcher.submit(texts, lane, on_rows=on_rows)
-
-            flight = SingleFlight(compute, engine.dim, hands_rows=True)
-
-            async def embed(text: str) -> None:
-                await flight.embed([text], lane="dispatch", caller="dispatch", durable=False)
-
-            assert await outcome_turns(engine, batcher, embed) == 1
 
     run(test)
 

@@ -228,47 +228,6 @@ def test_rows_shared_by_coalesced_callers_are_read_only_and_copied_unless_handed
     assert handed is kept[-1] and not handed.flags.writeable
 
 
-def test_callers_go_on_once_compute_hands_its_rows_over_before_it_returns() -> None:
-    """A compute that hands its rows over as they come (``hands_rows``, the batcher's
-    ``on_rows``) lets every caller of the flight that does not wait for the store go on
-    then, the one that started it and one coalesced on it, not once it returns; the
-    write-back follows its return, and a durable caller waits for it."""
-    handed = asyncio.Event()
-    returned = asyncio.Event()
-    written: list[list[str]] = []
-
-    async def compute(texts: Sequence[str], lane: str, on_rows: Callable[[Any], None]) -> Any:
-        rows = np.stack([vec(t) for t in texts])
-        on_rows(rows)
-        handed.set()
-        await returned.wait()  # e.g. the batcher's own caller resuming a turn later
-        return rows
-
-    async def write_back(texts: list[str], rows: Any, *args: Any) -> bool:
-        written.append(texts)
-        return True
-
-    async def scenario() -> None:
-        flight = SingleFlight(compute, DIM, write_back=write_back, hands_rows=True)
-        first = asyncio.create_task(
-            flight.embed(["a", "b"], lane="dispatch", caller="c", durable=False)
-        )
-        durable = asyncio.create_task(flight.embed(["a"], lane="dispatch", caller="c"))
-        await handed.wait()
-        joining = flight.embed(["b"], lane="dispatch", caller="c", durable=False)
-        joined = await asyncio.wait_for(joining, 1.0)
-        flown = await asyncio.wait_for(first, 1.0)
-        assert np.array_equal(flown.rows, np.stack([vec("a"), vec("b")]))
-        assert joined.coalesced == [True] and np.array_equal(joined.rows[0], vec("b"))
-        assert written == [] and flight.in_flight == 2  # its entries stay until written back
-        assert not durable.done()
-        returned.set()
-        assert np.array_equal((await asyncio.wait_for(durable, 1.0)).rows[0], vec("a"))
-        assert written == [["a", "b"]] and flight.in_flight == 0
-
-    asyncio.run(scenario())
-
-
 def test_each_caller_of_a_merged_call_joins_by_its_own_lookup_s_time() -> None:
     """A worker merges callers' misses into one call. With the latest caller's ``since`` for
     the whole call, a text written back between the two lookups was computed again for the

@@ -17,9 +17,8 @@ from engines.base import BatchError, QueueFullError
 from engines.fake import FakeEngine
 from proxy.board import Board
 from proxy.engine_host import MERGED_TEXTS, RemoteEngine, engine_handlers, open_engine_host
-from proxy.ipc import RpcClient, RpcServer, _decode, _encode
+from proxy.ipc import _decode, _encode
 from proxy.settings import Settings
-from tests.test_batcher import TurnsAfter
 
 Handler = Callable[[dict[str, Any]], Awaitable[tuple[dict[str, Any], list[bytes]]]]
 
@@ -36,21 +35,12 @@ class Loopback:
         self.calls: list[dict[str, Any]] = []
 
     async def call(
-        self,
-        op: str,
-        blobs: Sequence[Any] = (),
-        *,
-        timeout_s: float | None = None,
-        on_reply: Callable[[dict[str, Any], list[bytes]], None] | None = None,
-        **args: Any,
+        self, op: str, blobs: Sequence[Any] = (), *, timeout_s: float | None = None, **args: Any
     ) -> tuple[dict[str, Any], list[bytes]]:
         message = _decode(_encode({"op": op, **args}))
         self.calls.append(message)
         reply, frames = await self.handler(message)
-        reply = _decode(_encode(reply))
-        if on_reply is not None:  # as the socket's callback does, before the call returns
-            on_reply(reply, frames)
-        return reply, frames
+        return _decode(_encode(reply)), frames
 
 
 def fake_rows(dim: int) -> Handler:
@@ -267,50 +257,3 @@ def test_a_lone_call_is_sent_as_it_is_on_the_loop_s_next_turn(texts: list[str]) 
         ] * len(texts)
 
     asyncio.run(scenario())
-
-
-def test_a_caller_resumes_in_the_turn_after_its_engine_call_s_answer_arrives(
-    tmp_path: Path,
-) -> None:
-    """Over the real socket: the answer's rows go to each caller in the socket's callback
-    (``RpcClient.call``'s ``on_reply``), so a worker's request goes on in the next turn of
-    its loop; through the merged call's task it took two, each a turn of a busy loop."""
-    address = f"ipc://{tmp_path}/engine.sock"
-    dim = FakeEngine().dim
-
-    async def ping(message: dict[str, Any], blobs: list[Any]) -> tuple[dict[str, Any], ()]:
-        return {}, ()
-
-    async def rows(message: dict[str, Any], blobs: list[Any]) -> tuple[dict[str, Any], list[Any]]:
-        return await fake_rows(dim)(message)
-
-    async def scenario() -> list[int]:
-        server = RpcServer(address, {"ping": ping, "embed": rows})
-        serving = asyncio.create_task(server.serve())
-        client = RpcClient(address, role="worker")
-        arrivals: list[TurnsAfter] = []
-        received = client._received
-
-        def counted(frames: list[Any]) -> None:  # the turns from an embed answer's arrival
-            if "coalesced" in _decode(frames[0].bytes):  # not a ping's
-                arrivals.append(TurnsAfter())
-            received(frames)
-
-        client._received = counted  # type: ignore[method-assign]
-        await client.start()
-        try:
-            assert await client.wait_up(10.0)
-            engine = RemoteEngine(client, FakeEngine().info)
-            turns = []
-            for texts in (["north van"], ["south truck", "east bike"]):
-                flown = await embed(engine, texts)
-                turns.append(arrivals[-1].count)
-                expected = np.stack([FakeEngine().vector(t) for t in texts])
-                np.testing.assert_array_equal(flown.rows, expected)
-            return turns
-        finally:
-            await client.close()
-            serving.cancel()
-            server.close()
-
-    assert asyncio.run(scenario()) == [1, 1]
