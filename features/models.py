@@ -6,7 +6,10 @@ Unknown extra fields are ignored; a missing or out-of-range required field is a 
 Bounds are generous for any real vehicle but keep the embedded text sane: without them a
 ``capacity_kg`` of 1e308 rendered a 308-digit number into the text and ``completed_orders``
 of 10**400 was accepted (issue 12). Identifiers carry no control characters (a NUL in an id
-ended up in store keys and logs).
+ended up in store keys and logs; C1 ones such as U+009B, a terminal's CSI, are refused too).
+A time is one whose instant in UTC lies in the years 1 to 9999: with an offset,
+``9999-12-31T23:59:59-01:00`` is in year 10000, which the fleet index could neither store nor
+load again (a snapshot holding one stopped the index from starting).
 """
 
 from __future__ import annotations
@@ -14,12 +17,12 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StringConstraints
 
 Status = Literal["available", "busy", "offline"]
 VehicleType = Literal["car", "van", "truck", "e-bike", "motorbike"]
 Energy = Literal["electric", "diesel", "gasoline", "hybrid"]
-NO_CONTROL = r"^[^\x00-\x1f\x7f]*$"
+NO_CONTROL = r"^[^\x00-\x1f\x7f-\x9f]*$"  # C0, DEL and C1
 Identifier = Annotated[
     str,
     StringConstraints(strip_whitespace=True, min_length=1, max_length=128, pattern=NO_CONTROL),
@@ -34,6 +37,18 @@ Metres = Annotated[float, Field(ge=0.0, le=20.0, allow_inf_nan=False)]
 Label = Annotated[str, StringConstraints(max_length=64)]
 
 
+def _in_utc_years(ts: datetime) -> datetime:
+    """``ts`` if its instant in UTC is one a datetime holds (a naive time is taken as UTC)."""
+    try:
+        (ts if ts.tzinfo is None else ts.astimezone(UTC)).replace(tzinfo=UTC)
+    except OverflowError:
+        raise ValueError("its time in UTC is outside the years 1 to 9999") from None
+    return ts
+
+
+Timestamp = Annotated[datetime, AfterValidator(_in_utc_years)]
+
+
 class _Record(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
@@ -44,7 +59,7 @@ class LatLng(_Record):
 
 
 class Position(LatLng):
-    ts: datetime | None = None
+    ts: Timestamp | None = None
 
 
 class VehicleRecord(_Record):
@@ -95,7 +110,7 @@ class Order(_Record):
 
     order_id: Identifier
     pickup: LatLng
-    pickup_time: datetime = Field(default_factory=_now)
+    pickup_time: Timestamp = Field(default_factory=_now)
     cargo: Cargo | None = None
     constraints: list[Annotated[str, StringConstraints(max_length=64)]] = Field(
         default=[], max_length=32

@@ -328,13 +328,15 @@ class FleetTable:
                 return record
             changes: dict[str, Any] = {}
             if position is not None:
+                ts_us = timestamp_us(position.ts)
+                # As ``_record`` will read it back: the time in UTC (made before any column
+                # changes, so that a time it cannot hold changes nothing)
+                changes["position"] = Position.model_construct(
+                    lat=position.lat, lng=position.lng, ts=datetime_of(ts_us)
+                )
                 cols.lat[slot], cols.lng[slot] = position.lat, position.lng
                 cols.moved[slot] = True
-                cols.ts[slot] = timestamp_us(position.ts)
-                # As ``_record`` will read it back: the time in UTC.
-                changes["position"] = Position.model_construct(
-                    lat=position.lat, lng=position.lng, ts=datetime_of(cols.ts[slot])
-                )
+                cols.ts[slot] = ts_us
             if status is not None:
                 changes["status"] = status
             if not changes:

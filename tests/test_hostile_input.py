@@ -21,6 +21,7 @@ from fastapi.testclient import TestClient
 from cache.embedder import CachedEmbedder, InvalidTextError
 from cache.stores import MemoryByteStore
 from engines.fake import FakeEngine
+from features.models import DriverRecord
 from features.synthetic import generate_fleet
 from proxy.body import invalid_string_path, parse_json
 from tests.conftest import make_settings, open_client, wait_ready
@@ -277,6 +278,54 @@ def test_recommend_flags_take_booleans_only(client: TestClient, explain: Any) ->
     response = client.post("/v1/dispatch/recommend", json=order)
     assert response.status_code == 422
     assert response.json()["error"]["param"] == "explain"
+
+
+# UTC instants a datetime cannot hold, though their local dates are in its range
+OUT_OF_RANGE = ["9999-12-31T23:59:59-01:00", "0001-01-01T00:00:00+01:00"]
+
+
+@pytest.mark.parametrize("ts", OUT_OF_RANGE)
+def test_a_time_outside_the_utc_years_is_a_422_and_the_index_still_starts(
+    tmp_path: Path, ts: str
+) -> None:
+    """Such a time was accepted by every fleet write (a PATCH answered 500 with the driver
+    half-moved); the snapshot then held it, and the fleet index refused to load: no fleet
+    and no dispatch after the next restart. Now each write path names the field."""
+    settings = make_settings(tmp_path / "data")
+    record = driver(driver_id="D1")
+    with open_client(settings) as client:
+        wait_ready(client)
+        assert client.put("/v1/fleet/drivers", json={"drivers": [record]}).status_code == 200
+        writes = [
+            ("PUT", "/v1/fleet/drivers", {"drivers": [driver(**{"position.ts": ts})]}),
+            ("PATCH", "/v1/fleet/drivers/D1", {"position": {"lat": 1, "lng": 2, "ts": ts}}),
+            (
+                "PATCH",
+                "/v1/fleet/positions",
+                {"positions": [{"driver_id": "D1", "lat": 1, "lng": 2, "ts": ts}]},
+            ),
+            (
+                "POST",
+                "/v1/dispatch/recommend",
+                {"order_id": "O1", "pickup": {"lat": 1, "lng": 2}, "pickup_time": ts},
+            ),
+        ]
+        params = ["drivers[0].position.ts", "position.ts", "positions[0].ts", "pickup_time"]
+        for (method, path, body), param in zip(writes, params, strict=True):
+            answer = client.request(method, path, json=body)
+            assert answer.status_code == 422, (path, answer.text)
+            assert answer.json()["error"]["param"] == param
+        assert client.get("/v1/fleet/drivers/D1").json() == record  # untouched
+    with open_client(settings) as again:  # from the snapshot the first one saved
+        wait_ready(again)
+        assert again.get("/v1/fleet/drivers/D1").json() == record
+
+
+def test_an_id_with_a_c1_control_character_is_a_422() -> None:
+    """U+009B is a terminal's CSI: ids carry no control characters, C1 ones included."""
+    for bad in ("x\u0085y", "x\u009b31m"):
+        with pytest.raises(ValueError, match="driver_id"):
+            DriverRecord.model_validate(driver(driver_id=bad))
 
 
 def test_a_text_over_the_character_limit_is_a_413_naming_it(tmp_path: Path) -> None:

@@ -11,14 +11,21 @@ the stored record, with ``X-Fleet-Stale: 1`` (0 when applied).
 from __future__ import annotations
 
 import time
-from datetime import datetime
 from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from features.models import DriverRecord, Identifier, Latitude, Longitude, Position, Status
+from features.models import (
+    DriverRecord,
+    Identifier,
+    Latitude,
+    Longitude,
+    Position,
+    Status,
+    Timestamp,
+)
 from indexes.changes import Positions
 from indexes.columns import timestamp_us
 from proxy.body import JSONRoute
@@ -56,7 +63,7 @@ class PositionUpdate(BaseModel):
     driver_id: Identifier
     lat: Latitude
     lng: Longitude
-    ts: datetime
+    ts: Timestamp
     status: Status | None = None
 
 
