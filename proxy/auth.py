@@ -21,6 +21,8 @@ hash with ``hmac.compare_digest``; keys, hashes and bodies are never logged.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import hmac
 import logging
@@ -29,6 +31,7 @@ import re
 import secrets
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -207,24 +210,39 @@ def key_line(name: str, scopes: frozenset[str], key: str) -> str:
     return f"{name} {ordered} {digest(key).hex()}"
 
 
+@contextlib.contextmanager
+def editing(path: Path) -> Iterator[list[str]]:
+    """The keys file's lines, read under a lock (``PATH.lock`` beside it) held until the
+    block has rewritten them: two ``keys`` commands at once each see the other's change (a
+    revocation was written over by an add that had read the file before it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a", opener=_private) as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield path.read_text().splitlines() if path.exists() else []
+
+
+def _private(file: str, flags: int) -> int:
+    return os.open(file, flags, 0o600)
+
+
 def add_key(path: Path, name: str, scopes: frozenset[str]) -> str:
     """Append a new key's line; the key itself is returned (to be shown once) and not kept."""
     if not _NAME.match(name):
         raise KeysFileError("a key name is 1-64 characters of A-Z, a-z, 0-9, '_', '.', '-'")
-    lines = path.read_text().splitlines() if path.exists() else []
-    if any(key.name == name for key in parse_keys("\n".join(lines))):
-        raise KeysFileError(f"a key named {name!r} exists: revoke it first")
-    key = new_key()
-    write_keys_file(path, [*lines, key_line(name, scopes, key)])
+    with editing(path) as lines:
+        if any(key.name == name for key in parse_keys("\n".join(lines))):
+            raise KeysFileError(f"a key named {name!r} exists: revoke it first")
+        key = new_key()
+        write_keys_file(path, [*lines, key_line(name, scopes, key)])
     return key
 
 
 def revoke_key(path: Path, name: str) -> None:
-    lines = path.read_text().splitlines() if path.exists() else []
-    kept = [line for line in lines if line.split()[:1] != [name]]
-    if len(kept) == len(lines):
-        raise KeysFileError(f"no key named {name!r}")
-    write_keys_file(path, kept)
+    with editing(path) as lines:
+        kept = [line for line in lines if line.split()[:1] != [name]]
+        if len(kept) == len(lines):
+            raise KeysFileError(f"no key named {name!r}")
+        write_keys_file(path, kept)
 
 
 def _error(type: str, message: str) -> bytes:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import multiprocessing
 import re
 import stat
 import time
@@ -380,3 +381,25 @@ def test_a_hash_written_in_upper_case_is_the_same_key() -> None:
     stop the server at start."""
     digest = hashlib.sha256(b"fc_some_key").hexdigest()
     assert parse_keys(f"ops operator {digest.upper()}") == parse_keys(f"ops operator {digest}")
+
+
+def _add_then_exit(path: Path, name: str, start: Any) -> None:
+    start.wait()
+    add_key(path, name, frozenset({"dispatch"}))
+
+
+def test_keys_added_and_revoked_at_once_lose_nothing(tmp_path: Path) -> None:
+    """``keys add`` and ``keys revoke`` each rewrite the file: run at the same time, a revoked
+    key came back (its old copy written over the revocation), or the added one was lost."""
+    path = tmp_path / "keys"
+    ctx = multiprocessing.get_context("fork")
+    for round_ in range(20):
+        add_key(path, f"victim{round_}", frozenset({"admin"}))
+        start = ctx.Event()
+        adder = ctx.Process(target=_add_then_exit, args=(path, f"new{round_}", start))
+        adder.start()
+        start.set()
+        revoke_key(path, f"victim{round_}")
+        adder.join()
+        names = {key.name for key in parse_keys(path.read_text())}
+        assert f"new{round_}" in names and f"victim{round_}" not in names, (round_, names)
