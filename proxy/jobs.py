@@ -49,7 +49,7 @@ from typing import IO, Any
 from proxy.board import Boards
 from proxy.cores import lower, usable_cores
 from proxy.processes import ENGINE_GC_THRESHOLDS, ChildSpec, frozen_heap
-from proxy.public import cut_paths
+from proxy.public import public_error
 from proxy.settings import Settings
 from proxy.warmup import CHECKPOINT_EVERY_S, Shard, WarmupProgress, shown_source
 
@@ -535,13 +535,6 @@ def _clean_up(*paths: Path | None) -> None:
     for path in paths:
         if path is not None:
             path.unlink(missing_ok=True)
-
-
-def public_error(exc: BaseException) -> str:
-    """What a job answer may say: the exception's kind and message, each absolute path cut
-    to its file name (answers never show the server's directories)."""
-    message = cut_paths(str(exc))
-    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
 def starter_main(spec: ChildSpec) -> None:

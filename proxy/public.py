@@ -22,3 +22,10 @@ def public_reason(reason: str) -> str:
     """``reason`` as an error answer may give it: an exception's text in it, from its class
     name on, replaced by a pointer to the log, and each absolute path cut."""
     return cut_paths(_EXCEPTION.sub("an error (its text is in the server log)", reason))
+
+
+def public_error(exc: BaseException) -> str:
+    """What a warm-up job's ``error`` may say: the exception's kind and message (a bad row,
+    an unreadable file: the job's own input), each absolute path cut to its file name."""
+    message = cut_paths(str(exc))
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__

@@ -41,6 +41,7 @@ from features.models import DriverRecord
 from features.readers import Keep, KeepRaw, Row, iter_rows
 from features.text import driver_text
 from indexes.snapshot import replace_durably
+from proxy.public import public_error
 from proxy.services import Services
 
 log = logging.getLogger("fleetcache.warmup")
@@ -267,7 +268,7 @@ async def run_warmup(
         progress.state = "cancelled"
         raise
     except Exception as exc:
-        progress.state, progress.error = "failed", str(exc)
+        progress.state, progress.error = "failed", public_error(exc)
         raise
     finally:
         reading.cancel()

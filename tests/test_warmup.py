@@ -296,6 +296,14 @@ def test_api_job_from_upload_cancel_and_resume(tmp_path: Path) -> None:
         finished = poll(client, upload.json()["id"])
         assert (finished["state"], finished["indexed"], finished["rejected"]) == ("done", 30, 1)
 
+        (settings.data_dir / "broken.parquet").write_bytes(b"not a parquet file")
+        broken = poll(
+            client, client.post("/v1/warmup", json={"path": "broken.parquet"}).json()["id"]
+        )
+        assert broken["state"] == "failed"  # its error as a served job's: kind, no directories
+        assert broken["error"].startswith("ArrowInvalid: "), broken
+        assert str(settings.data_dir) not in broken["error"]
+
         outside = client.post("/v1/warmup", json={"path": "../../etc/passwd"})
         assert outside.status_code == 422 and outside.json()["error"]["param"] == "path"
         assert client.get("/v1/warmup/nope").status_code == 404
