@@ -12,6 +12,10 @@ was held for as long as its client liked (its keep-alive timer runs only between
 so enough of them would use up a worker's file descriptors. A head must now arrive whole
 within ``HEAD_TIMEOUT_S`` of its connection or of its first byte, else a 408 closes the
 connection (nginx's ``client_header_timeout``, 60 s; Node's ``headersTimeout``, 60 s).
+
+A request its parser refuses (a negative or doubled ``Content-Length``, one beside
+``Transfer-Encoding``, a malformed request line) gets its 400 in the API's error shape too
+(uvicorn's is plain text).
 """
 
 from __future__ import annotations
@@ -39,6 +43,11 @@ _TOO_LARGE = _answer(
     b"431 Request Header Fields Too Large",
     "invalid_request_error",
     f"the request line and headers are over {MAX_HEAD_BYTES // 1024} KiB",
+)
+_MALFORMED = _answer(
+    b"400 Bad Request",
+    "invalid_request_error",
+    "a malformed HTTP request: its request line or its framing (Content-Length, Transfer-Encoding)",
 )
 _TOO_SLOW = _answer(
     b"408 Request Timeout",
@@ -84,6 +93,10 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         self._in_head, self._head_bytes, self._tail = True, 0, b""  # the next request's
         super().on_message_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        """What uvicorn answers a request its parser refuses (it has logged ``msg``)."""
+        self._refuse(_MALFORMED)
 
     def _refuse(self, answer: bytes) -> None:
         self._head_since = None

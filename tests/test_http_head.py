@@ -4,6 +4,7 @@ time, whatever the app behind it; the rest of HTTP is uvicorn's."""
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import time
@@ -109,3 +110,21 @@ def test_a_head_over_the_bound_is_a_431(port: int) -> None:
         pad = b"y" * (http_head.MAX_HEAD_BYTES - 200)
         client.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + pad + b"\r\n\r\n")
         assert answer_of(client).startswith(b"HTTP/1.1 200")
+
+
+@pytest.mark.parametrize(
+    "framing",
+    [
+        b"Content-Length: -1\r\n",
+        b"Content-Length: 2\r\nContent-Length: 3\r\n",
+        b"Content-Length: 2\r\nTransfer-Encoding: chunked\r\n",
+    ],
+)
+def test_a_request_the_parser_refuses_is_a_400_in_the_error_shape(
+    port: int, framing: bytes
+) -> None:
+    with socket.create_connection(("127.0.0.1", port)) as client:
+        client.sendall(b"POST / HTTP/1.1\r\nHost: x\r\n" + framing + b"\r\nab")
+        head, _, body = answer_of(client).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head, head
+    assert json.loads(body)["error"]["type"] == "invalid_request_error"
