@@ -39,10 +39,11 @@ Label = Annotated[str, StringConstraints(max_length=64)]
 
 def _in_utc_years(ts: datetime) -> datetime:
     """``ts`` if its instant in UTC is one a datetime holds (a naive time is taken as UTC)."""
-    try:
-        (ts if ts.tzinfo is None else ts.astimezone(UTC)).replace(tzinfo=UTC)
-    except OverflowError:
-        raise ValueError("its time in UTC is outside the years 1 to 9999") from None
+    if ts.tzinfo is not None:
+        try:
+            ts.astimezone(UTC)
+        except OverflowError:
+            raise ValueError("its time in UTC is outside the years 1 to 9999") from None
     return ts
 
 
