@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from engines.devices import RUNS_ON
+from engines.devices import RUNS_ON, unusable
 
 DEMO_CHUNK = 250  # drivers per call while the demo fleet loads (proxy.processes)
 EngineKind = Literal["torch", "onnxruntime", "tensorrt", "fake"]
@@ -242,10 +242,9 @@ def check_devices(
     one device."""
     if devices == ("auto",):
         return
-    kinds = RUNS_ON[engine]
-    wrong = [d for d in devices if not _DEVICE.fullmatch(d) or d.partition(":")[0] not in kinds]
+    wrong = [d for d in devices if not _DEVICE.fullmatch(d) or unusable(engine, d)]
     if wrong or len(devices) > MAX_DEVICES:
-        names = " or ".join(f"{k} or {k}:N" for k in kinds)
+        names = " or ".join(f"{k} or {k}:N" for k in RUNS_ON[engine])
         raise ValueError(
             f"{setting}: {','.join(devices)!r} is not 'auto' or a list of up to "
             f"{MAX_DEVICES} of {names} (where the engine {engine!r} runs)"
