@@ -696,3 +696,24 @@ def test_a_reader_runs_its_rows_with_the_heap_frozen_and_the_collector_raised(
     asyncio.run(jobs.run_shard(spec, options, Shard(0, 1), progress, print, lambda: False))
     assert seen == {"memory_cache_mb": 0.0, "during": (jobs.READER_GC_THRESHOLDS, True)}
     assert (gc.get_threshold(), gc.get_freeze_count()) == (before, 0)
+
+
+def test_a_jobs_progress_is_passed_on_every_interval_and_at_its_first_rows() -> None:
+    """A job's state file is rewritten every ``every_s`` and, whatever the interval, at once
+    when its first rows are indexed and at its end: /v1/warmup/{id} (and the benchmark that
+    times a job's start from it) never shows a started job as empty for a whole interval."""
+    now = [100.0]
+    due = jobs.ProgressDue(0.1, clock=lambda: now[0])
+    progress = warmup.WarmupProgress(source="fleet.jsonl")
+    assert due(progress)  # the first one
+    now[0] += 0.05
+    assert not due(progress)
+    progress.indexed = 256  # the first rows, 0.05 s after the last write
+    assert due(progress)
+    now[0] += 0.05
+    progress.indexed = 512
+    assert not due(progress)  # later rows wait for the interval
+    assert due(progress, forced=True)  # the last
+    now[0] += 0.11
+    assert due(progress)
+    assert jobs.PROGRESS_EVERY_S <= 0.1
