@@ -583,10 +583,6 @@ def gen_fleet(
     console.print(f"wrote {n} drivers to {out}")
 
 
-if __name__ == "__main__":  # python -m proxy.cli
-    sys.exit(app())
-
-
 @keys_app.command("add")
 def keys_add(
     name: Annotated[str, typer.Argument(help="who holds it: 1-64 of A-Z a-z 0-9 _ . -")],
@@ -629,3 +625,7 @@ def keys_revoke(
         console.print(f"[red]nothing revoked:[/red] {exc}")
         raise typer.Exit(2) from None
     console.print(f"key {name!r} revoked")
+
+
+if __name__ == "__main__":  # python -m proxy.cli
+    sys.exit(app())

@@ -154,9 +154,12 @@ class Settings(BaseSettings):
         description="a torch device (cuda, cuda:N) for recommend's first pass, concurrent "
         "recommends batched; none: the CPU path",
     )
-    # processes (fleetcache serve): one engine process, one fleet index owner, N HTTP workers
-    workers: int | Literal["auto"] = Field("auto", description="HTTP worker processes")
-    warmup_processes: int | Literal["auto"] = Field(
+    # processes (fleetcache serve): an engine process a device, one fleet index owner, N HTTP
+    # workers, the job starter and a process a warm-up job (its readers below it)
+    workers: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto", description="HTTP worker processes"
+    )
+    warmup_processes: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         "auto", description="reader processes of one warm-up job (auto: usable cores / 2, <= 8)"
     )
     # 12 against 6 on the H200: a 200,000-driver job 0.77-0.84 of the tokenizer's ceiling

@@ -10,6 +10,8 @@ import logging
 import multiprocessing
 import re
 import stat
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -295,6 +297,18 @@ def test_keys_cli_keeps_only_hashes(keys_file: Path) -> None:
     assert keys_file.read_text() == text  # a refused command changes nothing
     assert runner.invoke(cli, ["keys", "revoke", "ops-1", *args]).exit_code == 0
     assert keys_file.read_text() == ""
+
+
+def test_keys_commands_run_as_python_m_proxy_cli(keys_file: Path) -> None:
+    """``python -m proxy.cli keys add`` (the image's entry point as a module) has the keys
+    commands too: they were defined below the module's ``__main__`` call, so that form
+    answered "No such command 'add'"."""
+    command = [sys.executable, "-m", "proxy.cli", "keys", "add", "ops-9", "--scopes", "fleet"]
+    added = subprocess.run(
+        [*command, "--file", str(keys_file)], capture_output=True, text=True, timeout=60
+    )
+    assert added.returncode == 0, added.stderr
+    assert keys_file.read_text().startswith("ops-9 fleet ")
 
 
 def test_a_bad_keys_file_stops_the_start(tmp_path: Path, keys_file: Path) -> None:

@@ -114,3 +114,17 @@ def test_every_auto_count_follows_the_usable_cores(monkeypatch: pytest.MonkeyPat
     assert supervisor.auto_workers() == 12
     assert jobs.shard_count(Settings(warmup_processes="auto")) == 8
     assert engine_host.lmdb_writer(Settings(lmdb_writer="auto")) == "process"
+
+
+@pytest.mark.parametrize("name", ["FLEETCACHE_WORKERS", "FLEETCACHE_WARMUP_PROCESSES"])
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_a_process_count_below_one_is_refused_at_start(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    """``FLEETCACHE_WARMUP_PROCESSES=0`` started a server whose every warm-up job then failed
+    (no reader); the settings refuse it, naming the setting, as they do the other counts."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name.removeprefix("FLEETCACHE_").lower()):
+        Settings()
+    monkeypatch.setenv(name, "2")
+    assert getattr(Settings(), name.removeprefix("FLEETCACHE_").lower()) == 2
