@@ -140,7 +140,9 @@ class Settings(BaseSettings):
         None, ge=1, le=65535, description="the supervisor's own /healthz (liveness under load)"
     )
     # fleet index
-    demo_drivers: int = Field(0, ge=0, description="synthetic drivers loaded at start")
+    demo_drivers: int = Field(
+        0, ge=0, description="synthetic drivers loaded at the first start of a data dir's index"
+    )
     demo_seed: int = 0
     snapshot_interval_s: float = Field(60.0, gt=0.0, description="index snapshot period")
     fleet_log_url: str | None = Field(
