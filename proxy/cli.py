@@ -310,6 +310,7 @@ def warmup(
                         on_progress=show,
                         checkpoint_every_s=checkpoint_every,
                         checkpoint=checkpoint if url else None,
+                        max_rejects=(settings or load_settings()).max_rejects,
                     )
                     asyncio.run(closing(sink, job))
             else:
@@ -332,6 +333,12 @@ def warmup(
             console.print(f"[red]warm-up could not run:[/red] {exc}")
             raise typer.Exit(1) from None
     p = progress
+    if p.state == "failed":  # a reader process failed (one reader raises, above)
+        console.print(
+            f"[red]warm-up could not run:[/red] {p.error} ({p.rows} rows read, {p.indexed} "
+            "indexed; run the same command again to resume)"
+        )
+        raise typer.Exit(1)
     verb = "would index" if dry_run else "indexed"
     resumed = f" (resumed after row {p.resumed_from})" if p.resumed_from else ""
     console.print(

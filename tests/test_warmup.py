@@ -158,10 +158,39 @@ def test_dry_run_validates_and_writes_nothing(env: Path, tmp_path: Path) -> None
     assert not (env / "cache.lmdb").exists() and not (env / "index").exists()
 
 
+def test_a_dry_run_or_a_run_through_a_server_caps_its_rejects_file_too(
+    env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``FLEETCACHE_MAX_REJECTS`` caps the rejects file of direct runs and server jobs; a
+    dry run and ``--url`` (one code path) wrote every reject."""
+    monkeypatch.setenv("FLEETCACHE_MAX_REJECTS", "1")
+    source = tmp_path / "fleet.jsonl"
+    fleet_file(source, 40)
+    result = CliRunner().invoke(cli, ["warmup", str(source), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "2 rejected" in result.output  # counted all ...
+    assert len((tmp_path / "fleet.jsonl.rejects.jsonl").read_text().splitlines()) == 1  # kept 1
+
+
 def test_unreadable_input_is_a_nonzero_exit(env: Path, tmp_path: Path) -> None:
     assert CliRunner().invoke(cli, ["warmup", str(tmp_path / "missing.jsonl")]).exit_code == 2
     (tmp_path / "fleet.xml").write_text("<drivers/>")
     assert CliRunner().invoke(cli, ["warmup", str(tmp_path / "fleet.xml")]).exit_code == 2
+
+
+def test_a_direct_warmup_whose_readers_fail_exits_non_zero_saying_why(
+    env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """API.md: the exit code is non-zero when the job could not run. With two reader
+    processes (``auto`` on 4 cores or more) a job whose every engine call failed printed
+    "warm-up failed: ... 0 indexed" and exited 0, so a script went on with an empty cache."""
+    monkeypatch.setenv("FLEETCACHE_WARMUP_PROCESSES", "2")
+    monkeypatch.setenv("FLEETCACHE_FAKE_FAIL_ON", "capacity")  # in every driver's text
+    source = tmp_path / "fleet.jsonl"
+    fleet_file(source, 40)
+    result = CliRunner().invoke(cli, ["warmup", str(source)])
+    assert result.exit_code == 1, result.output
+    assert "could not run" in result.output and "0 indexed" in result.output
 
 
 def test_resume_after_kill_embeds_nothing_twice(env: Path, tmp_path: Path) -> None:
