@@ -212,7 +212,8 @@ def direct_warmup(
     )
     with local_cluster(settings) as spec:
         shards = shard_count(settings)
-        return asyncio.run(run_sharded(spec, options, progress, shards, on_progress))
+        job = run_sharded(spec, options, progress, shards, on_progress, merge_stopped=False)
+        return asyncio.run(job)
 
 
 @app.command()
@@ -267,7 +268,8 @@ def warmup(
         checkpoint.rows_done() > 0 if url else any(places.glob(f"{path.name}*.checkpoint.json"))
     )
     if restart or not resuming:  # a run from row 1 starts its own list; a resumed one adds
-        rejects.unlink(missing_ok=True)
+        for old in (rejects, *rejects.parent.glob(f"{rejects.name}.part*")):
+            old.unlink(missing_ok=True)  # with the readers' parts a stopped run left
     progress = WarmupProgress(source=str(path), dry_run=dry_run)
     columns = (
         TextColumn("warm-up"),

@@ -187,16 +187,27 @@ class ProcessJobs:
         return dict(json.loads((self.dir / f"{job_id}.json").read_text()))
 
     def _progress(self, job_id: str) -> WarmupProgress | None:
+        """The job's state file; a job it shows running whose process is gone is ``failed``
+        ("server restarted", or, in this server's run, its process killed: by the OOM
+        killer, say), finished when it last wrote its state, which every read agrees on."""
+        file = self.dir / f"{job_id}.json"
         try:
             state = self._read(job_id)
+            written = file.stat().st_mtime
         except (OSError, ValueError):
             return None
         progress = WarmupProgress(**{k: v for k, v in state.items() if k in _PROGRESS_FIELDS})
+        ours = state.get("server") == self.server
         if progress.state in ("queued", "running") and not (
-            state.get("server") == self.server and state.get("pid") and _alive(state["pid"])
+            ours and state.get("pid") and _alive(state["pid"])
         ):
-            progress.state, progress.error = "failed", "server restarted"
-            progress.finished = progress.finished or time.time()
+            progress.state = "failed"
+            progress.error = (
+                "the job's process died (resumable: POST the job again)"
+                if ours
+                else "server restarted"
+            )
+            progress.finished = progress.finished or written
         return progress
 
     def get(self, job_id: str) -> WarmupProgress | None:
@@ -214,8 +225,8 @@ class ProcessJobs:
 
     def cancel(self, job_id: str) -> WarmupProgress | None:
         progress = self.get(job_id)
-        if progress is not None:
-            (self.dir / f"{job_id}.cancel").touch()
+        if progress is not None and progress.state in ("queued", "running"):
+            (self.dir / f"{job_id}.cancel").touch()  # the job removes it as it ends
         return progress
 
     async def aclose(self) -> None:
@@ -413,10 +424,15 @@ async def run_sharded(
     on_progress: Callable[[WarmupProgress], None] = lambda p: None,
     stopped: Callable[[], bool] = lambda: False,
     start_method: str = "spawn",
+    merge_stopped: bool = True,
 ) -> WarmupProgress:
     """A warm-up job over ``shards`` reader processes (one: in this process), their progress
     combined into ``progress``; their rejects merged into ``options.rejects`` at the end.
-    ``start_method``: how the shards start ("fork" only from a process running no thread)."""
+    ``start_method``: how the shards start ("fork" only from a process running no thread).
+    ``merge_stopped=False``: a job stopped with its place kept leaves its readers' rejects
+    where they are, for the run that resumes it (``fleetcache warmup FILE`` run again: the
+    same files) to cut back to its checkpoint; a server's resumed job is another job, with
+    a rejects file of its own."""
     progress.state, progress.started = "running", time.time()  # rates from the first row
     try:
         if shards == 1:
@@ -426,7 +442,8 @@ async def run_sharded(
             spec, options, progress, shards, on_progress, stopped, start_method
         )
     finally:
-        _merge_rejects(Path(options.rejects), shards)
+        if merge_stopped or progress.state in ("done", "failed"):
+            _merge_rejects(Path(options.rejects), shards)
 
 
 async def _start_shards(
@@ -486,7 +503,9 @@ async def _start_shards(
 
 
 def _rejects_part(options: JobOptions, shard: Shard) -> IO[str]:
-    return Path(f"{options.rejects}.part{shard.index}").open("w")
+    """Opened to append: ``run_warmup`` cuts it back to what its checkpoint kept (nothing on a
+    first run)."""
+    return Path(f"{options.rejects}.part{shard.index}").open("a")
 
 
 def _merge_rejects(rejects: Path, shards: int) -> None:

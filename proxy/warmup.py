@@ -25,6 +25,7 @@ import functools
 import itertools
 import json
 import logging
+import os
 import re
 import time
 import zlib
@@ -98,7 +99,10 @@ class WarmupProgress:
 
 
 class Checkpoint:
-    """``{"source", "size", "mtime_ns", "rows"}`` in a small JSON file, replaced atomically."""
+    """``{"source", "size", "mtime_ns", "rows"}`` in a small JSON file, replaced atomically;
+    with ``"rejects"``, the run's rejects file (``path``) and its size at ``rows``
+    (``bytes``): a resumed run cuts that file back there, so that a row rejected before the
+    checkpoint is listed once, even after a kill -9."""
 
     def __init__(self, file: Path, source: Path) -> None:
         stat = source.stat()
@@ -117,9 +121,29 @@ class Checkpoint:
         same = all(saved.get(k) == v for k, v in self.key.items())
         return int(saved.get("rows", 0)) if same else 0
 
-    def save(self, rows: int) -> None:
+    def save(self, rows: int, rejects: IO[str] | None = None, rejects_at: int = 0) -> None:
+        """``rows`` done; ``rejects`` (this run's file, written to its disk first) held
+        ``rejects_at`` bytes for them."""
+        data: dict[str, Any] = {**self.key, "rows": rows}
+        if (name := _file_name(rejects)) is not None and rejects is not None:
+            rejects.flush()
+            os.fsync(rejects.fileno())
+            data["rejects"] = {"path": name, "bytes": rejects_at}
         self.file.parent.mkdir(parents=True, exist_ok=True)
-        replace_durably(self.file, json.dumps({**self.key, "rows": rows}).encode())
+        replace_durably(self.file, json.dumps(data).encode())
+
+    def rejects_kept(self, rejects: IO[str]) -> int:
+        """Where a run resumed from this checkpoint cuts ``rejects`` back to: its size at the
+        checkpoint where the checkpoint names this file; else its size now (another job's
+        file: nothing of it to cut)."""
+        size = os.fstat(rejects.fileno()).st_size
+        try:
+            saved = json.loads(self.file.read_text()).get("rejects") or {}
+        except (OSError, ValueError, AttributeError):
+            return size
+        if saved.get("path") != _file_name(rejects):
+            return size
+        return min(size, int(saved.get("bytes", size)))
 
     def clear(self) -> None:
         self.file.unlink(missing_ok=True)
@@ -169,6 +193,12 @@ def checkpoint_for(data_dir: Path, source: Path, shard: Shard | None = None) -> 
     return Checkpoint(data_dir / "warmup" / f"{source.name}{suffix}.checkpoint.json", source)
 
 
+def _file_name(out: IO[str] | None) -> str | None:
+    """The resolved path of a file on disk (None for anything else: a StringIO)."""
+    name = getattr(out, "name", None)
+    return str(Path(name).resolve()) if isinstance(name, str) else None
+
+
 def read_chunks(rows: Iterator[Row], size: int) -> Iterator[list[Row]]:
     while chunk := list(itertools.islice(rows, size)):
         yield chunk
@@ -203,21 +233,27 @@ async def run_warmup(
         raise ValueError(f"depth must be at least 1, got {depth}")
     skip = checkpoint.rows_done() if checkpoint else 0
     progress.resumed_from = skip
+    written = 0  # bytes in ``rejects``: those of the rows before ``skip``, then this run's
+    if checkpoint and sink is not None and _file_name(rejects) is not None and rejects:
+        written = checkpoint.rejects_kept(rejects) if skip else 0
+        rejects.truncate(written)  # rows after the checkpoint are read (and rejected) again
+        rejects.seek(0, 2)
     keep: Keep | None = None
     keep_raw: KeepRaw | None = None
     if shard is not None and shard.count > 1:
         keep, keep_raw = shard.keeps, shard.keeps_raw
     chunks = read_chunks(iter_rows(path, keep=keep, keep_raw=keep_raw), chunk_size)
-    in_sink: deque[tuple[int, asyncio.Task[tuple[int, int, int]]]] = deque()  # (end row, task)
-    done_rows = skip  # every row before this one is durable
+    # (end row, bytes in rejects at its end, its task)
+    in_sink: deque[tuple[int, int, asyncio.Task[tuple[int, int, int]]]] = deque()
+    done_rows, done_rejects = skip, written  # every row before done_rows is durable
     last_checkpoint = time.monotonic()
 
     def next_chunk() -> asyncio.Future[list[Row] | None]:  # reading stays off the event loop
         return asyncio.ensure_future(asyncio.to_thread(next, chunks, None))
 
     async def finish_oldest() -> None:
-        nonlocal done_rows, last_checkpoint
-        end, task = in_sink[0]
+        nonlocal done_rows, done_rejects, last_checkpoint
+        end, at, task = in_sink[0]
         while not task.done():  # cancelled meanwhile: stop now, not after every chunk in flight
             await asyncio.wait([task], timeout=STOP_POLL_S)
             if not task.done() and cancelled():
@@ -227,13 +263,14 @@ async def run_warmup(
         progress.indexed += indexed
         progress.embedded += embedded
         progress.cached += cached
-        done_rows = end
+        done_rows, done_rejects = end, at
         if (
             sink is not None
             and checkpoint
             and time.monotonic() - last_checkpoint > checkpoint_every_s
         ):
-            await asyncio.to_thread(checkpoint.save, done_rows)  # an fsync: off the loop
+            # fsyncs: off the loop
+            await asyncio.to_thread(checkpoint.save, done_rows, rejects, done_rejects)
             last_checkpoint = time.monotonic()
         if on_progress:
             on_progress(progress)
@@ -249,20 +286,24 @@ async def run_warmup(
                 fresh = chunk[max(0, skip - progress.rows) :]
                 progress.rows += len(chunk)
                 records = [row.record for row in fresh if row.record is not None]
-                _reject(fresh, progress, rejects, max_rejects)
+                written += _reject(fresh, progress, rejects, max_rejects)
                 if records and sink is not None:
-                    in_sink.append((progress.rows, asyncio.create_task(sink.upsert(records))))
+                    task = asyncio.create_task(sink.upsert(records))
                 else:
                     progress.indexed += len(records) if sink is None else 0
-                    in_sink.append((progress.rows, asyncio.create_task(_nothing())))
-                while in_sink and (len(in_sink) >= depth or in_sink[0][1].done()):
+                    task = asyncio.create_task(_nothing())
+                in_sink.append((progress.rows, written, task))
+                while in_sink and (len(in_sink) >= depth or in_sink[0][2].done()):
                     await finish_oldest()
             while in_sink:
                 await finish_oldest()
         except _Stopped:
             stopped, progress.rows = True, done_rows  # where it resumes
         if checkpoint and sink is not None:  # the state changes only once the place is kept
-            checkpoint.save(done_rows) if stopped else checkpoint.clear()
+            if stopped:
+                checkpoint.save(done_rows, rejects, done_rejects)
+            else:
+                checkpoint.clear()
         progress.state = "cancelled" if stopped else "done"
     except asyncio.CancelledError:
         progress.state = "cancelled"
@@ -272,7 +313,7 @@ async def run_warmup(
         raise
     finally:
         reading.cancel()
-        await _abandon([task for _, task in in_sink])
+        await _abandon([task for _, _, task in in_sink])
         progress.finished = time.time()
         if rejects is not None:
             rejects.flush()
@@ -281,12 +322,16 @@ async def run_warmup(
 
 def _reject(
     rows: list[Row], progress: WarmupProgress, rejects: IO[str] | None, cap: int | None
-) -> None:
+) -> int:
+    """Count the invalid ``rows`` and write them (at most ``cap`` in all); the bytes written."""
+    written = 0
     for row in rows:
         if row.error is not None:
             progress.rejected += 1
             if rejects is not None and (cap is None or progress.rejected <= cap):
-                rejects.write(json.dumps({"line": row.line, "error": row.error}) + "\n")
+                line = json.dumps({"line": row.line, "error": row.error}) + "\n"  # ASCII
+                written += rejects.write(line)
+    return written
 
 
 class _Stopped(Exception):

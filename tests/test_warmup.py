@@ -263,6 +263,47 @@ def test_resume_after_kill_embeds_nothing_twice(env: Path, tmp_path: Path) -> No
         assert stats["fleet"]["drivers"] == 12_000
 
 
+def test_every_invalid_row_is_listed_once_across_a_kill_and_a_resume(
+    env: Path, tmp_path: Path
+) -> None:
+    """API.md: invalid rows are skipped and reported. The checkpoint moved past rejected rows
+    while their lines sat in a buffer, and a resumed run started its readers' files anew: a
+    kill -9 then lost them. Now each reader's rejects are on disk before its checkpoint
+    moves, and a resumed run cuts them back to it (no row listed twice either)."""
+    source = tmp_path / "big.jsonl"
+    lines = [json.dumps(d.model_dump(mode="json")) for d in generate_fleet(12_000, seed=5)]
+    bad = set(range(7, 12_000, 400))  # 1-based line numbers, spread over the whole file
+    for line in bad:
+        lines[line - 1] = f'{{"driver_id": "BAD{line}", "status": "available"'  # cut short
+    source.write_text("\n".join(lines) + "\n")
+    command = [sys.executable, "-m", "proxy.cli", "warmup", str(source), "--chunk-size", "100"]
+    command += ["--checkpoint-every", "0.2"]
+    run_env = {**os.environ, "PYTHONPATH": str(REPO), "FLEETCACHE_WARMUP_PROCESSES": "2"}
+    places = [env / "warmup" / f"big.jsonl.shard{i}of2.checkpoint.json" for i in range(2)]
+    first = subprocess.Popen(
+        command, cwd=tmp_path, env=run_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and first.poll() is None:
+        if all(p.exists() and json.loads(p.read_text())["rows"] >= 3000 for p in places):
+            break
+        time.sleep(0.05)
+    assert first.poll() is None, "the first run ended before it could be killed"
+    crash(first.pid)
+    first.wait()
+    assert all(json.loads(p.read_text())["rows"] < 12_000 for p in places)
+
+    second = subprocess.run(command, cwd=tmp_path, env=run_env, capture_output=True, text=True)
+    assert second.returncode == 0, second.stderr
+    assert "resumed after row" in second.stdout + second.stderr
+    listed = [
+        json.loads(line)["line"]
+        for line in (tmp_path / "big.jsonl.rejects.jsonl").read_text().splitlines()
+    ]
+    assert sorted(listed) == sorted(bad)  # each once, none lost
+    assert not list(tmp_path.glob("big.jsonl.rejects.jsonl.part*"))
+
+
 def test_a_json_array_is_refused_at_once_naming_json_lines(env: Path, tmp_path: Path) -> None:
     """A .json file (or a JSONL upload) holding one JSON array was read as lines: every
     row rejected, exit 0 and a job "done". Now the CLI, the path and the upload refuse it."""
@@ -687,6 +728,34 @@ def test_a_job_whose_process_is_gone_reads_failed_and_resumable(tmp_path: Path) 
     assert progress is not None
     assert (progress.state, progress.error, progress.rows) == ("failed", "server restarted", 500)
     assert progress.finished is not None
+
+
+def test_a_job_whose_process_died_in_this_servers_run_says_so_and_ends_once(
+    tmp_path: Path,
+) -> None:
+    """A job's process killed while its server runs (the OOM killer) read "server restarted",
+    which had not happened, with a ``finished`` that moved at every read; and a DELETE of
+    a job that had ended left a ``.cancel`` file that nothing removed."""
+    settings = make_settings(tmp_path / "data")
+    jobs_dir = settings.data_dir / "warmup" / "jobs"
+    jobs_dir.mkdir(parents=True)
+    run_dir = tmp_path / "fleetcache-now"
+    run_dir.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    state = {**asdict(WarmupProgress(source="fleet.jsonl", state="running", rows=500))}
+    state |= {"pid": dead.pid, "server": run_dir.name, "path": "x", "chunk_size": 500}
+    (jobs_dir / "w1-abc.json").write_text(json.dumps(state))
+    jobs = ProcessJobs(settings, run_dir)
+    first = jobs.get("w1-abc")
+    assert first is not None and first.state == "failed"
+    assert first.error is not None and "process died" in first.error
+    time.sleep(0.05)
+    again = jobs.get("w1-abc")
+    assert again is not None and again.finished == first.finished
+
+    assert jobs.cancel("w1-abc") is not None  # ended: nothing to stop
+    assert not (jobs_dir / "w1-abc.cancel").exists()
 
 
 def test_a_reader_runs_its_rows_with_the_heap_frozen_and_the_collector_raised(
