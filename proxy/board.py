@@ -371,7 +371,7 @@ def _view(buffer: Any, alive: bool) -> BoardView | None:
     return BoardView(role, pid, started, engine, alive, regions, names)
 
 
-def _alive(path: Path) -> bool:
+def owner_alive(path: Path) -> bool:
     """Whether the board's owner still holds its lock."""
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -408,7 +408,7 @@ class Boards:
             if cached is not None:
                 yield cached
                 continue
-            alive = _alive(path)
+            alive = owner_alive(path)
             try:
                 data = path.read_bytes()
             except OSError:

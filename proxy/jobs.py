@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import IO, Any
 
-from proxy.board import Boards
+from proxy.board import Boards, owner_alive
 from proxy.cores import lower, usable_cores
 from proxy.processes import ENGINE_GC_THRESHOLDS, ChildSpec, frozen_heap
 from proxy.public import public_error
@@ -518,6 +518,27 @@ def _merge_rejects(rejects: Path, shards: int) -> None:
                 part.unlink()
 
 
+class ServerWatch:
+    """Whether the server a job belongs to is gone: its supervisor no longer holds its
+    board's lock (kill -9; a stopping server SIGTERMs its jobs itself). A job outlives a
+    worker and the job starter on purpose, not its server: left running, it waited out its
+    engine calls for minutes, then wrote its own error over the "server restarted" a new
+    server showed, beside the job that resumed it. Checked at most every ``every_s``; a job
+    with no supervisor when it started (none to watch) is never told so."""
+
+    def __init__(self, run_dir: Path, every_s: float = 1.0) -> None:
+        boards = sorted((run_dir / "boards").glob("supervisor-*.board"))
+        self.watched = [path for path in boards if owner_alive(path)]
+        self.every_s = every_s
+        self._checked, self._gone = time.monotonic(), False
+
+    def gone(self) -> bool:
+        if self.watched and not self._gone and time.monotonic() - self._checked >= self.every_s:
+            self._gone = not any(owner_alive(path) for path in self.watched)
+            self._checked = time.monotonic()
+        return self._gone
+
+
 async def run_job(run_dir: Path, job_id: str) -> None:
     """The job process of a server's warm-up job (its state file is its answer)."""
     spec = ChildSpec(**json.loads((run_dir / SPEC_FILE).read_text()))
@@ -543,6 +564,7 @@ async def run_job(run_dir: Path, job_id: str) -> None:
         cancel_file=str(cancel_file),
     )
     import_shard_code()
+    server = ServerWatch(run_dir)
     try:
         save(force=True)
         await run_sharded(
@@ -551,10 +573,12 @@ async def run_job(run_dir: Path, job_id: str) -> None:
             progress,
             shard_count(settings),
             lambda p: save(),
-            stop.is_set,
+            lambda: stop.is_set() or server.gone(),
             start_method="fork",
         )
-        if stop.is_set() and progress.state == "cancelled":
+        if progress.state == "cancelled" and server.gone():
+            progress.state, progress.error = "failed", "server restarted"  # as a new one says
+        elif progress.state == "cancelled" and stop.is_set():
             progress.state, progress.error = "failed", "server stopped (resumable)"
     except Exception as exc:
         log.exception("warm-up job %s failed", job_id)

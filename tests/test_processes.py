@@ -611,6 +611,39 @@ def test_a_job_stopped_with_the_server_resumes_where_it_stopped(tmp_path: Path) 
         assert again.stats()["fleet"]["drivers"] == 4_000
 
 
+def test_a_job_whose_server_was_killed_stops_keeping_its_place(tmp_path: Path) -> None:
+    """A job outlives a worker and the job starter, not its server: after a kill -9 of the
+    supervisor it waited out its engine calls for minutes, then wrote its own error over
+    "server restarted", beside the job that resumed it. It now stops within seconds, keeps
+    its place and says "server restarted"."""
+    data = tmp_path / "server" / "data"
+    data.mkdir(parents=True)
+    write_records(generate_fleet(4_000, seed=14), data / "fleet.jsonl")
+    server = FleetcacheServer(tmp_path / "server", workers=1, fake_delay_ms=300).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            job_id = client.post("/v1/warmup", json={"path": "fleet.jsonl"}).json()["id"]
+            deadline = time.monotonic() + 60
+            while client.get(f"/v1/warmup/{job_id}").json()["indexed"] < 500:
+                assert time.monotonic() < deadline, "the job indexed 500 drivers not within 60 s"
+                time.sleep(0.1)
+        state_file = data / "warmup" / "jobs" / f"{job_id}.json"
+        job_pid = json.loads(state_file.read_text())["pid"]
+        assert server.process is not None
+        server.process.kill()  # the supervisor alone: its children get SIGTERM, not the job
+        server.process.wait(10)
+        deadline = time.monotonic() + 15
+        while alive(job_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(job_pid), "the job still ran 15 s after its server was killed"
+    finally:
+        server.stop()
+    state = json.loads(state_file.read_text())
+    assert (state["state"], state["error"]) == ("failed", "server restarted"), state
+    places = list((data / "warmup").glob("fleet.jsonl*.checkpoint.json"))
+    assert places and all(json.loads(p.read_text())["rows"] > 0 for p in places)
+
+
 def test_a_cancelled_jobs_delete_answers_once_it_stopped(tmp_path: Path) -> None:
     """The DELETE of a running job (a process of its own) answered "running" and left the
     caller to poll; it answers once the job stopped, with the place it keeps."""
