@@ -38,7 +38,8 @@ class Settings(BaseSettings):
         ge=1,
         le=MAX_DEVICES,
         description="with FLEETCACHE_DEVICE=auto: engine processes on each visible GPU (1: one "
-        "per device, as API.md describes; 2 measured 1.42x the new texts of 1 on the H200)",
+        "per device, as API.md describes; on the H200 2 served 1.42x the new texts of 1 with the "
+        "store on its disk, 0.93-1.05x on tmpfs: docs/BENCHMARKS.md)",
     )
     engine_routing: Literal["hash", "depth"] = Field(
         "hash",
@@ -171,7 +172,8 @@ class Settings(BaseSettings):
     )
     # A worker serves ~900-1,200 requests of 32 cached texts a second on the H200 machine and
     # ~2,300 on the 2-core box (docs/BENCHMARKS.md): 64 waiting is 30-70 ms of queue; past
-    # that a 429 now serves a client better than a late answer (v1: 750 ms p99 at 64 in one).
+    # that a 429 now serves a client better than a late answer (v1: p99 753 ms at 64
+    # connections in one process, issue 11).
     max_inflight_requests: int = Field(
         64, ge=1, description="requests one worker admits at once; above it 429 + Retry-After"
     )
