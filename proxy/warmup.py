@@ -199,8 +199,15 @@ def _file_name(out: IO[str] | None) -> str | None:
     return str(Path(name).resolve()) if isinstance(name, str) else None
 
 
+RAMP = (8, 4, 2)  # a job's first chunks: 1/8, 1/4 and 1/2 of its chunk size, then whole
+
+
 def read_chunks(rows: Iterator[Row], size: int) -> Iterator[list[Row]]:
-    while chunk := list(itertools.islice(rows, size)):
+    """``rows`` in chunks of ``size``, the first ones smaller (``RAMP``): the engine gets a
+    job's first texts after an eighth of a chunk's reading, validating and rendering, not a
+    whole one's (all readers of a job start together, sharing the cores)."""
+    sizes = itertools.chain((max(1, size // part) for part in RAMP), itertools.repeat(size))
+    while chunk := list(itertools.islice(rows, next(sizes))):
         yield chunk
 
 
