@@ -367,21 +367,6 @@ def test_api_job_from_upload_cancel_and_resume(tmp_path: Path) -> None:
         finished = poll(client, upload.json()["id"])
         assert (finished["state"], finished["indexed"], finished["rejected"]) == ("done", 30, 1)
 
-        # An uploaded job stopped, then the same POST (the same body): it resumes as a path
-        # job does. Each upload had a name and an mtime of its own: it started from row 1.
-        body = "".join(d.model_dump_json() + "\n" for d in generate_fleet(20_000, seed=98))
-        jsonl = {"Content-Type": "application/x-ndjson"}
-        first = client.post("/v1/warmup", content=body.encode(), headers=jsonl).json()["id"]
-        while client.get(f"/v1/warmup/{first}").json()["indexed"] < 500:
-            time.sleep(0.005)
-        stopped = client.delete(f"/v1/warmup/{first}").json()
-        assert stopped["state"] == "cancelled" and 0 < stopped["rows"] < 20_000, stopped
-        again = client.post("/v1/warmup", content=body.encode(), headers=jsonl)
-        resumed_upload = poll(client, again.json()["id"])
-        assert resumed_upload["state"] == "done", resumed_upload
-        assert resumed_upload["resumed_from"] == stopped["rows"]
-        assert list((settings.data_dir / "warmup").glob("upload-*")) == []  # removed at the end
-
         (settings.data_dir / "broken.parquet").write_bytes(b"not a parquet file")
         broken = poll(
             client, client.post("/v1/warmup", json={"path": "broken.parquet"}).json()["id"]

@@ -7,8 +7,6 @@ the request, and runs in the background as caller ``warmup`` on the batcher's lo
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import os
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -82,29 +80,17 @@ def server_path(services: ServicesDep, raw: str) -> Path:
     return path
 
 
-async def save_upload(request: Request, directory: Path) -> Path:
-    """Stream the body into ``directory`` as ``upload-<its SHA-256>.jsonl``; nothing is left
-    behind when it fails (a 413 over FLEETCACHE_MAX_UPLOAD_MB, the client gone).
-
-    Named by its content, with its mtime set to 0, the same body sent again is the same file
-    to a job's checkpoint (source, size, mtime): the POST that follows a stopped or killed
-    upload job resumes it, as API.md says the same POST does (a name of its own a POST, and
-    a new mtime, made each one start from row 1)."""
-    await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
-    partial = directory / f"upload-{time.time_ns()}.partial"
-    digest = hashlib.sha256()
+async def save_upload(request: Request, upload: Path) -> None:
+    """Stream the body to ``upload``; nothing is left behind when it fails (a 413 over
+    FLEETCACHE_MAX_UPLOAD_MB, the client gone)."""
+    upload.parent.mkdir(parents=True, exist_ok=True)
     try:
-        with partial.open("wb") as out:
+        with upload.open("wb") as out:
             async for block in request.stream():
                 out.write(block)
-                digest.update(block)
-        upload = directory / f"upload-{digest.hexdigest()[:32]}.jsonl"
-        os.utime(partial, ns=(0, 0))
-        partial.replace(upload)
     except BaseException:
-        await asyncio.to_thread(partial.unlink, missing_ok=True)
+        await asyncio.to_thread(upload.unlink, missing_ok=True)
         raise
-    return upload
 
 
 @router.post(
@@ -124,7 +110,8 @@ async def save_upload(request: Request, directory: Path) -> Path:
 async def start_warmup(request: Request, services: ServicesDep, jobs: JobsDep) -> dict[str, Any]:
     content_type = media_type(request.headers.get("content-type"))
     if content_type in JSONL_TYPES:
-        upload = await save_upload(request, services.settings.data_dir / "warmup")
+        upload = services.settings.data_dir / "warmup" / f"upload-{time.time_ns()}.jsonl"
+        await save_upload(request, upload)
         try:
             await asyncio.to_thread(check_jsonl, upload)  # past any blank lines: off the loop
         except ValueError as exc:
