@@ -190,10 +190,8 @@ class ProcessJobs:
         """The job's state file; a job it shows running whose process is gone is ``failed``
         ("server restarted", or, in this server's run, its process killed: by the OOM
         killer, say), finished when it last wrote its state, which every read agrees on."""
-        file = self.dir / f"{job_id}.json"
         try:
             state = self._read(job_id)
-            written = file.stat().st_mtime
         except (OSError, ValueError):
             return None
         progress = WarmupProgress(**{k: v for k, v in state.items() if k in _PROGRESS_FIELDS})
@@ -207,7 +205,10 @@ class ProcessJobs:
                 if ours
                 else "server restarted"
             )
-            progress.finished = progress.finished or written
+            with contextlib.suppress(OSError):  # gone meanwhile: no time to give
+                progress.finished = (
+                    progress.finished or (self.dir / f"{job_id}.json").stat().st_mtime
+                )
         return progress
 
     def get(self, job_id: str) -> WarmupProgress | None:

@@ -113,19 +113,23 @@ class Checkpoint:
             "mtime_ns": stat.st_mtime_ns,
         }
 
-    def rows_done(self) -> int:
+    def _saved(self) -> dict[str, Any]:
+        """The saved checkpoint where it is this source's (empty: none, or another file)."""
         try:
             saved = json.loads(self.file.read_text())
         except (OSError, ValueError):
-            return 0
-        same = all(saved.get(k) == v for k, v in self.key.items())
-        return int(saved.get("rows", 0)) if same else 0
+            return {}
+        mine = isinstance(saved, dict) and all(saved.get(k) == v for k, v in self.key.items())
+        return saved if mine else {}
+
+    def rows_done(self) -> int:
+        return int(self._saved().get("rows", 0))
 
     def save(self, rows: int, rejects: IO[str] | None = None, rejects_at: int = 0) -> None:
         """``rows`` done; ``rejects`` (this run's file, written to its disk first) held
         ``rejects_at`` bytes for them."""
         data: dict[str, Any] = {**self.key, "rows": rows}
-        if (name := _file_name(rejects)) is not None and rejects is not None:
+        if rejects is not None and (name := _file_name(rejects)) is not None:
             rejects.flush()
             os.fsync(rejects.fileno())
             data["rejects"] = {"path": name, "bytes": rejects_at}
@@ -137,10 +141,7 @@ class Checkpoint:
         checkpoint where the checkpoint names this file; else its size now (another job's
         file: nothing of it to cut)."""
         size = os.fstat(rejects.fileno()).st_size
-        try:
-            saved = json.loads(self.file.read_text()).get("rejects") or {}
-        except (OSError, ValueError, AttributeError):
-            return size
+        saved = self._saved().get("rejects") or {}
         if saved.get("path") != _file_name(rejects):
             return size
         return min(size, int(saved.get("bytes", size)))
@@ -241,7 +242,7 @@ async def run_warmup(
     skip = checkpoint.rows_done() if checkpoint else 0
     progress.resumed_from = skip
     written = 0  # bytes in ``rejects``: those of the rows before ``skip``, then this run's
-    if checkpoint and sink is not None and _file_name(rejects) is not None and rejects:
+    if checkpoint and sink is not None and rejects is not None and _file_name(rejects):
         written = checkpoint.rejects_kept(rejects) if skip else 0
         rejects.truncate(written)  # rows after the checkpoint are read (and rejected) again
         rejects.seek(0, 2)
