@@ -11,6 +11,7 @@ Its state lives in files under ``<data dir>/warmup/jobs/`` (kept across restarts
     <id>.json      the progress (``WarmupProgress``) plus pid, server and parameters,
                    replaced atomically about twice a second by the job
     <id>.cancel    present: stop now (the checkpoint keeps the place)
+    .start.lock    held by the worker starting a job
 
 A job is forked by the server's job starter (``starter_main``), a process that imported what
 a job runs once, when the server started, where a fresh interpreter (``python -m proxy.jobs``,
@@ -21,13 +22,16 @@ importing it on the H200; on 2 cores a job's first rows came 0.70 s after its PO
 Any worker answers ``GET /v1/warmup/{id}`` from the file. A job whose process is gone while
 its file says ``queued`` or ``running`` (the server was stopped or died) reads as ``failed``
 ("server restarted"); the same POST resumes it from its checkpoint. A job started from an
-uploaded body removes the upload when it ends.
+uploaded body removes the upload when it ends (the next start removes that of a job killed
+outright). Workers start jobs one at a time (a lock on the jobs dir), and none while a job of
+the same checkpoint is live: that POST is a 409.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import gc
 import importlib
 import json
@@ -51,7 +55,15 @@ from proxy.cores import lower, usable_cores
 from proxy.processes import ENGINE_GC_THRESHOLDS, ChildSpec, frozen_heap
 from proxy.public import public_error
 from proxy.settings import Settings
-from proxy.warmup import CHECKPOINT_EVERY_S, Shard, WarmupProgress, shown_source
+from proxy.warmup import (
+    CHECKPOINT_EVERY_S,
+    LIVE,
+    JobRunning,
+    Shard,
+    WarmupProgress,
+    checkpoint_for,
+    shown_source,
+)
 
 log = logging.getLogger("fleetcache.warmup")
 SPEC_FILE = "spec.json"  # written by the supervisor into the run dir: what a job is told
@@ -84,6 +96,7 @@ NO_THREADS = {
 STARTER_NAME = "fleetcache-jobs"  # the starter's and its jobs' process name (``ps``, ``top``)
 STARTER_SOCKET = "job-starter.sock"  # in the run dir: a worker sends a job id, gets its pid
 STARTER_REPLY_S = 10.0  # a fork takes milliseconds; silence this long means it never will
+START_LOCK = ".start.lock"  # in the jobs dir: held by the worker starting a job
 
 
 def lower_priority(pid: int) -> None:
@@ -134,8 +147,10 @@ class ProcessJobs:
         self.dir = jobs_dir(settings)
 
     async def start(
-        self, services: Any, path: Path, *, chunk_size: int = 500, upload: bool = False
+        self, services: Any, path: Path, *, chunk_size: int = 500, upload: str | None = None
     ) -> str:
+        """Start a job over ``path`` (an uploaded body of digest ``upload``: removed when the
+        job ends); ``JobRunning`` while a job of the same source (its checkpoint) is live."""
         self.dir.mkdir(parents=True, exist_ok=True)
         job_id = f"w{int(time.time())}-{os.urandom(3).hex()}"
         state = {
@@ -145,17 +160,42 @@ class ProcessJobs:
             "path": str(path),
             "chunk_size": chunk_size,
             "upload": upload,
+            "checkpoint": str(checkpoint_for(self.settings.data_dir, path, sha256=upload).file),
         }
-        _write_json(self.dir / f"{job_id}.json", state)
-        # off the event loop: a starter that does not answer must not hold the worker's requests
-        pid = await asyncio.to_thread(
-            lambda: self._from_starter(job_id) or self._from_scratch(job_id)
-        )
-        lower_priority(pid)  # a no-op for a job of the starter, which runs there already
-        state = self._read(job_id)
-        if not state["pid"]:  # the job has not written its own state yet
-            _write_json(self.dir / f"{job_id}.json", {**state, "pid": pid})
+        # off the event loop: a starter that does not answer must not hold the worker's
+        # requests, nor another worker's start this one's
+        await asyncio.to_thread(self._start, job_id, state)
         return job_id
+
+    def _start(self, job_id: str, state: dict[str, Any]) -> None:
+        """One start at a time over the server's workers (a lock on the jobs dir): none
+        begins while another job of its source is live, and a job is forked before the next
+        start looks."""
+        with (self.dir / START_LOCK).open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            self._refuse_a_second(state["checkpoint"])
+            _write_json(self.dir / f"{job_id}.json", state)
+            pid = self._from_starter(job_id) or self._from_scratch(job_id)
+            lower_priority(pid)  # a no-op for a job of the starter, which runs there already
+            state = self._read(job_id)
+            if not state["pid"]:  # the job has not written its own state yet
+                _write_json(self.dir / f"{job_id}.json", {**state, "pid": pid})
+
+    def _refuse_a_second(self, checkpoint: str) -> None:
+        """``JobRunning`` where a live job has ``checkpoint``; the uploads of jobs that died
+        (with their server, or killed) removed on the way, as their job's end would have."""
+        for file in self.dir.glob("*.json"):
+            progress = self._progress(file.stem)
+            try:
+                state = self._read(file.stem)
+            except (OSError, ValueError):
+                continue
+            if progress is None:
+                continue
+            if progress.state in LIVE and state.get("checkpoint") == checkpoint:
+                raise JobRunning(file.stem)
+            if progress.state == "failed" and state.get("upload"):
+                Path(state["path"]).unlink(missing_ok=True)
 
     def _from_starter(self, job_id: str) -> int | None:
         """The pid of the job forked by the server's job starter, or None when it did not
@@ -196,9 +236,7 @@ class ProcessJobs:
             return None
         progress = WarmupProgress(**{k: v for k, v in state.items() if k in _PROGRESS_FIELDS})
         ours = state.get("server") == self.server
-        if progress.state in ("queued", "running") and not (
-            ours and state.get("pid") and _alive(state["pid"])
-        ):
+        if progress.state in LIVE and not (ours and state.get("pid") and _alive(state["pid"])):
             progress.state = "failed"
             progress.error = (
                 "the job's process died (resumable: POST the job again)"
@@ -226,7 +264,7 @@ class ProcessJobs:
 
     def cancel(self, job_id: str) -> WarmupProgress | None:
         progress = self.get(job_id)
-        if progress is not None and progress.state in ("queued", "running"):
+        if progress is not None and progress.state in LIVE:
             (self.dir / f"{job_id}.cancel").touch()  # the job removes it as it ends
         return progress
 
@@ -240,7 +278,7 @@ def stop_jobs(settings: Settings, server: str, grace_s: float = 10.0) -> None:
     for path in jobs_dir(settings).glob("*.json"):
         with contextlib.suppress(OSError, ValueError):
             state = json.loads(path.read_text())
-            if state.get("server") == server and state.get("state") in ("queued", "running"):
+            if state.get("server") == server and state.get("state") in LIVE:
                 pid = int(state.get("pid") or 0)
                 if pid and _alive(pid):
                     os.kill(pid, signal.SIGTERM)
@@ -284,6 +322,7 @@ class JobOptions:
     checkpoint_every_s: float
     rejects: str  # the job's rejects file; shard i writes <rejects>.part<i>, merged at the end
     cancel_file: str  # present: stop
+    upload: str | None = None  # an uploaded body's SHA-256: its checkpoint follows it
 
 
 def shard_count(settings: Settings, cores: int | None = None) -> int:
@@ -308,7 +347,7 @@ async def run_shard(
 ) -> WarmupProgress:
     """One shard of a job: a client of the engine and the index, its own checkpoint."""
     from proxy.services import open_worker_services
-    from proxy.warmup import LocalSink, checkpoint_for, run_warmup
+    from proxy.warmup import LocalSink, run_warmup
 
     # No memory tier: a reader never looks its own vectors up again, and its LRU (up to
     # FLEETCACHE_MEMORY_CACHE_MB a reader) held every vector and link it wrote, unread.
@@ -331,7 +370,7 @@ async def run_shard(
                 progress,
                 chunk_size=options.chunk_size * shard.count,  # ~chunk_size of its own rows
                 depth=settings.warmup_depth,
-                checkpoint=checkpoint_for(settings.data_dir, path, shard),
+                checkpoint=checkpoint_for(settings.data_dir, path, shard, options.upload),
                 rejects=rejects,
                 checkpoint_every_s=options.checkpoint_every_s,
                 on_progress=on_progress,
@@ -563,6 +602,7 @@ async def run_job(run_dir: Path, job_id: str) -> None:
         checkpoint_every_s=CHECKPOINT_EVERY_S,
         rejects=str(directory.parent / f"{job_id}.rejects.jsonl"),
         cancel_file=str(cancel_file),
+        upload=state.get("upload"),
     )
     import_shard_code()
     server = ServerWatch(run_dir)

@@ -7,7 +7,8 @@ and written to a rejects file with their line and reason; every chunk goes to a 
 rides the batcher's low-priority lane.
 
 Resuming: the job records how many rows of the file it has finished in a checkpoint file
-keyed by the file's path, size and mtime, every ``checkpoint_every_s``, past chunks that are
+keyed by the file's path, size and mtime (an uploaded body: by its SHA-256, so that the same
+body POSTed again resumes), every ``checkpoint_every_s``, past chunks that are
 durable: a chunk is done when every call of it returned, and a call returns once its vectors
 and entity links are written to the cache store and its fleet change is in the index's change
 log, flushed (API.md "Durability"; through a proxy: once it answered 200). The cache's writes
@@ -70,12 +71,15 @@ class Sink(Protocol):
         ...
 
 
+LIVE = ("queued", "running")  # a job's states before it ends
+
+
 @dataclass
 class WarmupProgress:
     """What a job has done so far; ``/v1/warmup/{id}`` and the progress bar show it."""
 
     source: str
-    state: str = "running"  # running | done | cancelled | failed
+    state: str = "running"  # running | done | cancelled | failed (a server's job: queued first)
     # rows read from the file, valid or not (skipped resumed rows included); once cancelled,
     # those it finished: where it resumes (its chunks still in flight were abandoned)
     rows: int = 0
@@ -102,16 +106,24 @@ class Checkpoint:
     """``{"source", "size", "mtime_ns", "rows"}`` in a small JSON file, replaced atomically;
     with ``"rejects"``, the run's rejects file (``path``) and its size at ``rows``
     (``bytes``): a resumed run cuts that file back there, so that a row rejected before the
-    checkpoint is listed once, even after a kill -9."""
+    checkpoint is listed once, even after a kill -9.
 
-    def __init__(self, file: Path, source: Path) -> None:
+    ``sha256``: the source is an uploaded body of that digest, stored under a name of its
+    own each time it is sent; the checkpoint follows its bytes (``{"source": "sha256:..."``,
+    ``"size"}``), not its file, so the same body sent again resumes where the last left."""
+
+    def __init__(self, file: Path, source: Path, sha256: str | None = None) -> None:
         stat = source.stat()
         self.file = file
-        self.key = {
-            "source": str(source.resolve()),
-            "size": stat.st_size,
-            "mtime_ns": stat.st_mtime_ns,
-        }
+        self.key: dict[str, Any] = (
+            {"source": f"sha256:{sha256}", "size": stat.st_size}
+            if sha256
+            else {
+                "source": str(source.resolve()),
+                "size": stat.st_size,
+                "mtime_ns": stat.st_mtime_ns,
+            }
+        )
 
     def _saved(self) -> dict[str, Any]:
         """The saved checkpoint where it is this source's (empty: none, or another file)."""
@@ -188,10 +200,15 @@ class Shard:
         return f".shard{self.index}of{self.count}" if self.count > 1 else ""
 
 
-def checkpoint_for(data_dir: Path, source: Path, shard: Shard | None = None) -> Checkpoint:
-    """The checkpoint of ``source`` (one per shard: each keeps its own place)."""
+def checkpoint_for(
+    data_dir: Path, source: Path, shard: Shard | None = None, sha256: str | None = None
+) -> Checkpoint:
+    """The checkpoint of ``source`` (one per shard: each keeps its own place); of an uploaded
+    body of digest ``sha256``, named by it (``Checkpoint``)."""
+    name = f"sha256-{sha256[:32]}" if sha256 else source.name
     suffix = shard.suffix if shard is not None else ""
-    return Checkpoint(data_dir / "warmup" / f"{source.name}{suffix}.checkpoint.json", source)
+    file = data_dir / "warmup" / f"{name}{suffix}.checkpoint.json"
+    return Checkpoint(file, source, sha256)
 
 
 def _file_name(out: IO[str] | None) -> str | None:
@@ -554,9 +571,19 @@ class RemoteSink:
         return len(records), embedded, cached  # rows, as in-process (a repeated id counts)
 
 
+class JobRunning(Exception):
+    """A job of the same source (the same checkpoint) is queued or running: two at once would
+    both write its checkpoint, and each skip rows the other kept."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(job_id)
+        self.job_id = job_id
+
+
 @dataclass
 class _Job:
     progress: WarmupProgress
+    checkpoint: Path
     task: asyncio.Task[WarmupProgress] | None = None
     cancel_requested: bool = False
 
@@ -569,11 +596,16 @@ class WarmupJobs:
         self._ids = itertools.count(1)
 
     async def start(
-        self, services: Services, path: Path, *, chunk_size: int = 500, upload: bool = False
+        self, services: Services, path: Path, *, chunk_size: int = 500, upload: str | None = None
     ) -> str:
-        """Start a job over ``path`` (an uploaded body when ``upload``: removed at the end)."""
+        """Start a job over ``path`` (an uploaded body of digest ``upload``: removed at the
+        end); ``JobRunning`` while a job of the same source runs."""
+        checkpoint = checkpoint_for(services.settings.data_dir, path, sha256=upload)
+        for job_id, running in self._jobs.items():
+            if running.checkpoint == checkpoint.file and running.progress.state in LIVE:
+                raise JobRunning(job_id)
         job_id = f"w{next(self._ids)}-{int(time.time())}"
-        job = _Job(WarmupProgress(source=shown_source(path, services.settings)))
+        job = _Job(WarmupProgress(source=shown_source(path, services.settings)), checkpoint.file)
         rejects_file = services.settings.data_dir / "warmup" / f"{job_id}.rejects.jsonl"
         rejects_file.parent.mkdir(parents=True, exist_ok=True)
 
@@ -585,7 +617,7 @@ class WarmupJobs:
                     job.progress,
                     chunk_size=chunk_size,
                     depth=services.settings.warmup_depth,
-                    checkpoint=checkpoint_for(services.settings.data_dir, path),
+                    checkpoint=checkpoint,
                     rejects=rejects,
                     cancelled=lambda: job.cancel_requested,
                     max_rejects=services.settings.max_rejects,

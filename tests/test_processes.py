@@ -536,8 +536,9 @@ def test_a_job_is_forked_by_the_job_starter_and_started_without_it(tmp_path: Pat
     """The job starter imported what a job runs when the server started, so a job forked
     from it starts in milliseconds, in a process group of its own, below the workers; killed,
     it is restarted, and meanwhile a worker starts the job itself; its jobs outlive it."""
-    fleet = tmp_path / "fleet.jsonl"
+    fleet, other = tmp_path / "fleet.jsonl", tmp_path / "reversed.jsonl"
     write_records(generate_fleet(2_000, seed=11), fleet)
+    write_records(reversed(generate_fleet(2_000, seed=11)), other)
     jobs_dir = tmp_path / "server" / "data" / "warmup" / "jobs"
     with FleetcacheServer(tmp_path / "server", workers=1, fake_delay_ms=300) as server:
         deadline = time.monotonic() + 60
@@ -562,7 +563,7 @@ def test_a_job_is_forked_by_the_job_starter_and_started_without_it(tmp_path: Pat
                 os.kill(starter, signal.SIGKILL)
                 while stat_fields(starter)[0] != "Z":  # dead, not yet reaped
                     time.sleep(0.01)
-                second = start_job(client, fleet)
+                second = start_job(client, other)  # not ``fleet``: its job runs (a 409)
             finally:
                 os.kill(server.process.pid, signal.SIGCONT)
             by_worker = json.loads((jobs_dir / f"{second}.json").read_text())["pid"]
@@ -609,6 +610,51 @@ def test_a_job_stopped_with_the_server_resumes_where_it_stopped(tmp_path: Path) 
         assert (job["state"], job["rejected"]) == ("done", 0), job
         assert 0 < job["resumed_from"] <= state["indexed"]
         assert again.stats()["fleet"]["drivers"] == 4_000
+
+
+def test_an_upload_job_runs_once_at_a_time_and_resumes_after_its_process_is_killed(
+    tmp_path: Path,
+) -> None:
+    """The same body POSTed through two workers at once: one job, the other POST a 409
+    naming it (two jobs of one checkpoint each skipped rows the other kept, or one failed on
+    its file). Its process killed outright (the OOM killer), the same POST resumes it from
+    its checkpoint, which follows the body's SHA-256 (each upload has a file of its own),
+    and removes the killed job's upload, which no end of its job did."""
+    fleet = tmp_path / "fleet.jsonl"
+    write_records(generate_fleet(8_000, seed=15), fleet)
+    warmup = tmp_path / "server" / "data" / "warmup"
+    settings = {"workers": 2, "warmup_processes": 1, "fake_delay_ms": 150}
+    with FleetcacheServer(tmp_path / "server", **settings) as server:
+        with ThreadPoolExecutor(2) as pool:  # a connection each: they spread over the workers
+            answers = list(pool.map(lambda _: upload_job(server.url, fleet), range(2)))
+        started, refused = sorted(answers, key=lambda answer: answer.status_code)
+        assert (started.status_code, refused.status_code) == (200, 409), refused.text
+        job_id, error = started.json()["id"], refused.json()["error"]
+        assert (error["type"], error["param"]) == ("conflict", "body")
+        assert job_id in error["message"]
+        assert len(list(warmup.glob("upload-*"))) == 1  # the refused POST's copy removed
+        deadline = time.monotonic() + 60
+        while not (checkpoints := list(warmup.glob("sha256-*.checkpoint.json"))):
+            assert time.monotonic() < deadline, "no checkpoint within 60 s"
+            time.sleep(0.05)
+        os.kill(json.loads((warmup / "jobs" / f"{job_id}.json").read_text())["pid"], 9)
+        kept = json.loads(checkpoints[0].read_text())["rows"]
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            killed = job_ended(client, job_id, 30)
+            assert killed["error"] == "the job's process died (resumable: POST the job again)"
+            assert 0 < kept < 8_000 and len(list(warmup.glob("upload-*"))) == 1
+            again = upload_job(server.url, fleet)
+            assert again.status_code == 200, again.text
+            resumed = job_ended(client, again.json()["id"], 120)
+        assert (resumed["state"], resumed["resumed_from"]) == ("done", kept), resumed
+        assert resumed["rows"] == 8_000 and server.stats()["fleet"]["drivers"] == 8_000
+        assert list(warmup.glob("upload-*")) + list(warmup.glob("sha256-*")) == []
+
+
+def upload_job(url: str, fleet: Path) -> httpx.Response:
+    with httpx.Client(base_url=url, timeout=30) as client:
+        headers = {"Content-Type": "application/x-ndjson"}
+        return client.post("/v1/warmup", content=fleet.read_bytes(), headers=headers)
 
 
 def test_a_job_whose_server_was_killed_stops_keeping_its_place(tmp_path: Path) -> None:

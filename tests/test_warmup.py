@@ -347,6 +347,12 @@ def test_api_job_from_upload_cancel_and_resume(tmp_path: Path) -> None:
         started = client.post("/v1/warmup", json={"path": "fleet.jsonl", "chunk_size": 50})
         assert started.status_code == 200, started.text
         job = started.json()["id"]
+        # a second job of the file while this one runs: both would write its checkpoint
+        second = client.post("/v1/warmup", json={"path": "fleet.jsonl"})
+        assert second.status_code == 409, second.text
+        error = second.json()["error"]
+        assert (error["type"], error["param"]) == ("conflict", "path")
+        assert job in error["message"]
         cancelled = client.delete(f"/v1/warmup/{job}")
         assert cancelled.status_code == 200
         state = cancelled.json()  # the answer comes once the job stopped (it said "running")
@@ -366,6 +372,27 @@ def test_api_job_from_upload_cancel_and_resume(tmp_path: Path) -> None:
         )
         finished = poll(client, upload.json()["id"])
         assert (finished["state"], finished["indexed"], finished["rejected"]) == ("done", 30, 1)
+
+        # An upload job stopped, then the same POST (the same body, stored under a name of
+        # its own): it resumes from its place as a path job does, its checkpoint following
+        # the body's SHA-256 (a name and an mtime of each upload's own made it start again).
+        body = "".join(d.model_dump_json() + "\n" for d in generate_fleet(20_000, seed=98))
+        jsonl = {"Content-Type": "application/x-ndjson"}
+        first = client.post("/v1/warmup", content=body.encode(), headers=jsonl).json()["id"]
+        while client.get(f"/v1/warmup/{first}").json()["indexed"] < 500:
+            time.sleep(0.005)
+        refused = client.post("/v1/warmup", content=body.encode(), headers=jsonl)
+        assert refused.status_code == 409 and refused.json()["error"]["param"] == "body"
+        stopped = client.delete(f"/v1/warmup/{first}").json()
+        assert stopped["state"] == "cancelled" and 0 < stopped["rows"] < 20_000, stopped
+        uploads = settings.data_dir / "warmup"
+        assert list(uploads.glob("upload-*")) == []  # the stopped one's and the refused copy
+        again = client.post("/v1/warmup", content=body.encode(), headers=jsonl)
+        resumed_upload = poll(client, again.json()["id"])
+        assert resumed_upload["state"] == "done", resumed_upload
+        assert resumed_upload["resumed_from"] == stopped["rows"]
+        assert resumed_upload["indexed"] == 20_000 - stopped["rows"]
+        assert list(uploads.glob("upload-*")) + list(uploads.glob("sha256-*")) == []
 
         (settings.data_dir / "broken.parquet").write_bytes(b"not a parquet file")
         broken = poll(

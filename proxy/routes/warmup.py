@@ -7,6 +7,7 @@ the request, and runs in the background as caller ``warmup`` on the batcher's lo
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -19,7 +20,7 @@ from features.readers import FORMAT_SUFFIXES, check_jsonl, file_format
 from proxy.body import JSONRoute, media_type, parse_json
 from proxy.deps import ServicesDep
 from proxy.errors import API_ERRORS, APIError
-from proxy.warmup import WarmupJobs, WarmupProgress, coverage
+from proxy.warmup import LIVE, JobRunning, WarmupJobs, WarmupProgress, coverage
 
 router = APIRouter(tags=["warm-up"], route_class=JSONRoute, responses=API_ERRORS)
 CANCEL_WAIT_S = 10.0  # a DELETE waits this long at most for its job to stop
@@ -80,17 +81,21 @@ def server_path(services: ServicesDep, raw: str) -> Path:
     return path
 
 
-async def save_upload(request: Request, upload: Path) -> None:
-    """Stream the body to ``upload``; nothing is left behind when it fails (a 413 over
-    FLEETCACHE_MAX_UPLOAD_MB, the client gone)."""
+async def save_upload(request: Request, upload: Path) -> str:
+    """Stream the body to ``upload``, answering its SHA-256 (what its job's checkpoint
+    follows: the same body sent again resumes); nothing is left behind when it fails (a 413
+    over FLEETCACHE_MAX_UPLOAD_MB, the client gone)."""
     upload.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
     try:
         with upload.open("wb") as out:
             async for block in request.stream():
                 out.write(block)
+                digest.update(block)
     except BaseException:
         await asyncio.to_thread(upload.unlink, missing_ok=True)
         raise
+    return digest.hexdigest()
 
 
 @router.post(
@@ -111,13 +116,13 @@ async def start_warmup(request: Request, services: ServicesDep, jobs: JobsDep) -
     content_type = media_type(request.headers.get("content-type"))
     if content_type in JSONL_TYPES:
         upload = services.settings.data_dir / "warmup" / f"upload-{time.time_ns()}.jsonl"
-        await save_upload(request, upload)
+        digest = await save_upload(request, upload)
         try:
             await asyncio.to_thread(check_jsonl, upload)  # past any blank lines: off the loop
         except ValueError as exc:
             upload.unlink(missing_ok=True)
             raise APIError(422, f"the body: {exc}", param="body") from None
-        path, chunk_size, uploaded = upload, 500, True
+        path, chunk_size, sha256 = upload, 500, digest
     else:
         raw = await request.body()
         if content_type != "application/json" and (content_type or raw.strip()):
@@ -139,8 +144,20 @@ async def start_warmup(request: Request, services: ServicesDep, jobs: JobsDep) -
                 f"{where}: {first['msg']}",
                 param=where,
             ) from None
-        path, chunk_size, uploaded = server_path(services, body.path), body.chunk_size, False
-    job_id = await jobs.start(services, path, chunk_size=chunk_size, upload=uploaded)
+        path, chunk_size, sha256 = server_path(services, body.path), body.chunk_size, None
+    try:
+        job_id = await jobs.start(services, path, chunk_size=chunk_size, upload=sha256)
+    except JobRunning as running:
+        what = "body" if sha256 else "path"
+        if sha256:
+            path.unlink(missing_ok=True)  # this POST's copy of the body
+        raise APIError(
+            409,
+            f"a warm-up job of this {what} is still running: {running.job_id} (wait for it "
+            f"to end, or DELETE /v1/warmup/{running.job_id}: the same POST then resumes it)",
+            param=what,
+            type="conflict",
+        ) from None
     progress = jobs.get(job_id)
     assert progress is not None
     return job_json(job_id, progress)
@@ -170,7 +187,7 @@ async def cancel_warmup(job_id: str, jobs: JobsDep) -> dict[str, Any]:
     job's: a later run finds them cached)."""
     progress = jobs.cancel(job_id)
     deadline = time.monotonic() + CANCEL_WAIT_S
-    while progress is not None and progress.state in ("queued", "running"):
+    while progress is not None and progress.state in LIVE:
         if time.monotonic() >= deadline:
             break
         await asyncio.sleep(0.02)
