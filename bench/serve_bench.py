@@ -845,22 +845,27 @@ class RunQueueWait:
 def lower_roles(server: Server, spec: str) -> None:
     """``--lower engine,index=10`` (a nice value) or ``=idle`` (``SCHED_IDLE``): every thread
     of those processes of the server from now on (threads they start later inherit it);
-    ``job``: the job starter, so every job and reader it forks; ``rest``: every process of
-    the server but its workers and the supervisor. An experiment: what of the
-    lookups' p99 beside a job the priority of each process accounts for."""
+    ``job``: the job starter, so every job and reader it forks; ``writer``: the engines'
+    LMDB writer children (and their partitions' writers); ``rest``: every process of the
+    server but its workers and the supervisor. An experiment: what of the lookups' p99
+    beside a job the priority of each process accounts for."""
     from proxy.jobs import STARTER_NAME
 
     roles, _, level = spec.partition("=")
     processes = server.stats()["processes"]
     everyone = tree(server.process.pid)
     not_rest = {server.process.pid, *(w["pid"] for w in processes["workers"])}
+    engines = [e["pid"] for e in processes["engines"]]
+    device = (server.stats()["inference"].get("device_process") or {}).get("pid")
     pids = {
-        "engine": [e["pid"] for e in processes["engines"]],
+        "engine": engines,
+        "writer": [p for p in children(engines) if p != device],
         "index": [processes["index"]["pid"]],
         "job": [p for p in everyone if proc_name(p) == STARTER_NAME],
         "rest": [p for p in everyone if p not in not_rest],
     }
     for role in roles.split(","):
+        print(f"lowered to {level}: {role}, {len(pids[role])} processes", flush=True)
         for pid in pids[role]:
             for task in Path(f"/proc/{pid}/task").iterdir():
                 if level == "idle":
