@@ -401,15 +401,20 @@ def lmdb_partitions(settings: Settings, cores: int | None = None) -> int:
     return AUTO_PARTITIONS if lmdb_writer(settings, cores) == "process" else 1
 
 
-# How far below the engine process's other threads its LMDB commits run where it writes them
-# itself (``lmdb_writer`` = thread, fewer than 4 cores). They are write-backs, which no answer
-# waits for but a warm-up job's and a fleet write's; a job's took about a third of a core on
-# the 2-core box, and new texts' competed with the batcher and the event loop. Measured there
+# How far below the engine process's other threads its LMDB commits run: the thread that
+# commits them where it writes them itself (``lmdb_writer`` = thread, fewer than 4 cores), or
+# the writer child and its partitions' writers (4 cores or more). They are write-backs, which
+# no answer waits for but a warm-up job's and a fleet write's; a job's took about a third of a
+# core on the 2-core box and 1.6-1.9 cores on the H100 machine, and new texts' competed with
+# the batcher and the event loop. Measured (docs/BENCHMARKS.md): the thread, 2-core box
 # (``bench/serve_bench.py --workers 2 --skip-hits --warmup 30000``, six runs in turns,
-# docs/BENCHMARKS.md, 2026-12-05): new texts 17,322-19,936/s against 12,989-18,698 (p99
-# 87-115 ms against 94-147), written back 0.7 s after the run against 0.1-0.3; cached
-# lookups' p99 beside a job 9.9 ms against 11.2 (medians; worst 13.7 against 21.6), the job
-# alone as fast. The writer child (4 cores or more) keeps the engine's priority: not measured.
+# 2026-12-05): new texts 17,322-19,936/s against 12,989-18,698 (p99 87-115 ms against
+# 94-147), written back 0.7 s after the run against 0.1-0.3; cached lookups' p99 beside a job
+# 9.9 ms against 11.2 (medians), the job alone as fast. The child, NVIDIA H100, 8 workers,
+# a job of 200,000 drivers, two rounds in turns (2026-12-06): cached lookups' p99 beside the
+# job 1.4-1.5x alone against 1.8-2.0x (each of four rounds within 1.5x, against none), new
+# texts 67,248-77,245/s against 61,661-68,253, the job alone 44,541-45,226 features/s
+# against 34,944-45,470.
 STORE_WRITE_NICE = 10
 
 
@@ -433,6 +438,7 @@ async def shared_tier(settings: Settings) -> AsyncIterator[TieredByteStore]:
             fsync_every_s=settings.lmdb_fsync_every_s,
             partitions=lmdb_partitions(settings),
             log_level=level,
+            nice=STORE_WRITE_NICE,
         )
         tier = stores.TieredByteStore(stores.MemoryByteStore(0), await writer.start())
     else:

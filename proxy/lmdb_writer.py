@@ -61,6 +61,7 @@ import numpy as np
 
 from cache.codec import RowEntries
 from cache.stores import GiB, GroupCommit, LmdbByteStore, fsync_options
+from proxy.cores import lower
 from proxy.ipc import Handler, RpcClient, RpcServer, error_payload, payload_error
 
 log = logging.getLogger("fleetcache.engine")
@@ -88,12 +89,16 @@ class LmdbWriterStore(LmdbByteStore):
         fsync_every_s: float = 0.0,
         partitions: int = 1,
         log_level: str = "info",
+        nice: int = 0,
     ):
+        """``nice``: the child (and the partitions' writers it starts, which inherit it) that
+        many nice values below the thread that starts it."""
         # the child opens the directory as this made it (``LmdbByteStore``: its layout file)
         super().__init__(path, map_size, partitions=partitions, **fsync_options(fsync_every_s))
         self._map_size = map_size
         self._fsync_every_s = fsync_every_s
         self._log_level = log_level
+        self._nice = nice
         self._address = f"ipc://@fleetcache-writer-{os.getpid()}-{secrets.token_hex(4)}"
         self._process: BaseProcess | None = None
         self._client: RpcClient | None = None
@@ -119,6 +124,8 @@ class LmdbWriterStore(LmdbByteStore):
             target=writer_main, args=args, name="fleetcache-writer", daemon=True
         )
         self._process.start()
+        if self._nice and self._process.pid is not None:  # before it starts any thread
+            lower(self._process.pid, self._nice)
         self.starts += 1
 
     @property
