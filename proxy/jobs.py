@@ -33,13 +33,13 @@ import asyncio
 import contextlib
 import fcntl
 import gc
+import heapq
 import importlib
 import json
 import logging
 import multiprocessing
 import os
 import queue
-import shutil
 import signal
 import socket
 import subprocess
@@ -549,13 +549,14 @@ def _rejects_part(options: JobOptions, shard: Shard) -> IO[str]:
 
 
 def _merge_rejects(rejects: Path, shards: int) -> None:
-    parts = [Path(f"{rejects}.part{i}") for i in range(shards)]
-    with rejects.open("a") as out:
-        for part in parts:
-            if part.exists():
-                with part.open() as lines:
-                    shutil.copyfileobj(lines, out)
-                part.unlink()
+    """The readers' rejects appended to ``rejects`` in the file's line order (each part is in
+    it already: a reader reads the whole file in order), as one reader lists them."""
+    parts = [part for i in range(shards) if (part := Path(f"{rejects}.part{i}")).exists()]
+    with rejects.open("a") as out, contextlib.ExitStack() as opened:
+        files = [opened.enter_context(part.open()) for part in parts]
+        out.writelines(heapq.merge(*files, key=lambda line: json.loads(line)["line"]))
+    for part in parts:
+        part.unlink()
 
 
 class ServerWatch:
