@@ -152,16 +152,18 @@ def file_format(path: str | os.PathLike[str]) -> Format:
         ) from None
 
 
-def check_jsonl(path: str | os.PathLike[str]) -> None:
+def check_jsonl(path: str | os.PathLike[str], empty_ok: bool = True) -> None:
     """ValueError when a JSON Lines input (by its extension: ``.json`` too) holds one JSON
-    array instead of a record a line: read as lines, each of its rows would only be rejected.
-    Reads up to its first non-blank byte."""
+    array instead of a record a line: read as lines, each of its rows would only be rejected;
+    or, unless ``empty_ok``, nothing but blanks. Reads up to its first non-blank byte."""
     if file_format(path) != "jsonl":
         return
     start = b""
     with open(path, "rb") as f:
         while not start and (chunk := f.read(4096)):
             start = chunk.lstrip()
+    if not start and not empty_ok:
+        raise ValueError("it holds no rows; send one DriverRecord a line")
     if start.removeprefix(b"\xef\xbb\xbf").startswith(b"["):
         raise ValueError(
             "it holds a JSON array; warm-up reads JSON Lines, one record a line (convert it "

@@ -307,7 +307,8 @@ def test_every_invalid_row_is_listed_once_across_a_kill_and_a_resume(
 
 def test_a_json_array_is_refused_at_once_naming_json_lines(env: Path, tmp_path: Path) -> None:
     """A .json file (or a JSONL upload) holding one JSON array was read as lines: every
-    row rejected, exit 0 and a job "done". Now the CLI, the path and the upload refuse it."""
+    row rejected, exit 0 and a job "done". Now the CLI, the path and the upload refuse it;
+    an upload of no rows too (it was a job "done" with 0 rows)."""
     records = [orjson.loads(d.model_dump_json()) for d in generate_fleet(3, seed=5)]
     array = tmp_path / "fleet.json"
     array.write_bytes(b"\n  " + orjson.dumps(records, option=orjson.OPT_INDENT_2))
@@ -333,6 +334,13 @@ def test_a_json_array_is_refused_at_once_naming_json_lines(env: Path, tmp_path: 
             headers={"Content-Type": "application/x-ndjson"},
         )
         assert upload.status_code == 422 and upload.json()["error"]["param"] == "body"
+        for empty in (b"", b"\n \n"):  # ``curl --data-binary @FILE`` of a file not there
+            refused = client.post(
+                "/v1/warmup", content=empty, headers={"Content-Type": "application/x-ndjson"}
+            )
+            assert refused.status_code == 422, refused.text
+            error = refused.json()["error"]
+            assert error["param"] == "body" and "no rows" in error["message"]
         assert client.get("/v1/warmup").json()["jobs"] == []
     assert list((settings.data_dir / "warmup").glob("upload-*")) == []
 
