@@ -35,6 +35,7 @@ from proxy.warmup import (
     RemoteSink,
     WarmupProgress,
     checkpoint_for,
+    checkpoint_stem,
     coverage,
     run_warmup,
 )
@@ -262,10 +263,10 @@ def warmup(
         raise typer.Exit(1)
     # direct mode keeps its place in the data dir; through a proxy, in the working directory
     places = settings.data_dir / "warmup" if settings else Path(".fleetcache") / "warmup"
-    checkpoint = checkpoint_for(places.parent, path)
+    checkpoint, stem = checkpoint_for(places.parent, path), checkpoint_stem(path)
     rejects = rejects or path.with_name(f"{path.name}.rejects.jsonl")
     resuming = not dry_run and (
-        checkpoint.rows_done() > 0 if url else any(places.glob(f"{path.name}*.checkpoint.json"))
+        checkpoint.rows_done() > 0 if url else any(places.glob(f"{stem}*.checkpoint.json"))
     )
     if restart or not resuming:  # a run from row 1 starts its own list; a resumed one adds
         for old in (rejects, *rejects.parent.glob(f"{rejects.name}.part*")):
@@ -298,7 +299,7 @@ def warmup(
 
         try:
             if restart:  # every shard's place, whatever the shard count was
-                for place in places.glob(f"{path.name}*.checkpoint.json"):
+                for place in places.glob(f"{stem}*.checkpoint.json"):
                     place.unlink()
             if dry_run or url:
                 with rejects.open("a") as out:

@@ -35,6 +35,7 @@ import fcntl
 import gc
 import heapq
 import importlib
+import itertools
 import json
 import logging
 import multiprocessing
@@ -44,8 +45,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import IO, Any
@@ -128,12 +130,15 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """Running: not gone, and not a zombie (dead, its parent not having waited for it yet)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
+    with contextlib.suppress(OSError, IndexError):  # no /proc: as kill says
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     return True
 
 
@@ -195,7 +200,8 @@ class ProcessJobs:
             if progress.state in LIVE and state.get("checkpoint") == checkpoint:
                 raise JobRunning(file.stem)
             if progress.state == "failed" and state.get("upload"):
-                Path(state["path"]).unlink(missing_ok=True)
+                with contextlib.suppress(OSError):  # not this POST's to fail
+                    Path(state["path"]).unlink(missing_ok=True)
 
     def _from_starter(self, job_id: str) -> int | None:
         """The pid of the job forked by the server's job starter, or None when it did not
@@ -221,6 +227,8 @@ class ProcessJobs:
             stdin=subprocess.DEVNULL,  # the job running (its session: ``lower_priority``)
             env={**os.environ, **NO_THREADS},
         )
+        # waited for, so that it does not stay a zombie of this worker once it ends
+        threading.Thread(target=process.wait, name=f"wait-{job_id}", daemon=True).start()
         return process.pid
 
     def _read(self, job_id: str) -> dict[str, Any]:
@@ -376,7 +384,7 @@ async def run_shard(
                 on_progress=on_progress,
                 cancelled=lambda: stopped() or cancel_file.exists(),
                 shard=shard,
-                max_rejects=settings.max_rejects // shard.count,  # merged: at most the cap
+                max_rejects=settings.max_rejects,  # merged: the first of them, to the cap
             )
 
 
@@ -483,7 +491,7 @@ async def run_sharded(
         )
     finally:
         if merge_stopped or progress.state in ("done", "failed"):
-            _merge_rejects(Path(options.rejects), shards)
+            _merge_rejects(Path(options.rejects), shards, spec.load_settings().max_rejects)
 
 
 async def _start_shards(
@@ -548,15 +556,24 @@ def _rejects_part(options: JobOptions, shard: Shard) -> IO[str]:
     return Path(f"{options.rejects}.part{shard.index}").open("a")
 
 
-def _merge_rejects(rejects: Path, shards: int) -> None:
-    """The readers' rejects appended to ``rejects`` in the file's line order (each part is in
-    it already: a reader reads the whole file in order), as one reader lists them."""
+def _merge_rejects(rejects: Path, shards: int, cap: int) -> None:
+    """The readers' rejects appended to ``rejects`` in the file's line order, the first
+    ``cap`` of them, as one reader lists them (each reader lists its own in order, up to
+    ``cap``). A line a killed reader left half-written is dropped."""
     parts = [part for i in range(shards) if (part := Path(f"{rejects}.part{i}")).exists()]
     with rejects.open("a") as out, contextlib.ExitStack() as opened:
-        files = [opened.enter_context(part.open()) for part in parts]
-        out.writelines(heapq.merge(*files, key=lambda line: json.loads(line)["line"]))
+        readers = [_rejected(opened.enter_context(part.open())) for part in parts]
+        out.writelines(line for _, line in itertools.islice(heapq.merge(*readers), cap))
     for part in parts:
         part.unlink()
+
+
+def _rejected(lines: IO[str]) -> Iterator[tuple[int, str]]:
+    """``(line number, line)`` of each whole line of a reader's rejects."""
+    for line in lines:
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            if line.endswith("\n"):
+                yield int(json.loads(line)["line"]), line
 
 
 class ServerWatch:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import itertools
 import json
 import logging
@@ -203,12 +204,21 @@ class Shard:
 def checkpoint_for(
     data_dir: Path, source: Path, shard: Shard | None = None, sha256: str | None = None
 ) -> Checkpoint:
-    """The checkpoint of ``source`` (one per shard: each keeps its own place); of an uploaded
-    body of digest ``sha256``, named by it (``Checkpoint``)."""
-    name = f"sha256-{sha256[:32]}" if sha256 else source.name
+    """The checkpoint of ``source`` (one per shard: each keeps its own place), named by the
+    file's name and a tag of its whole path (two files of one name in two directories had
+    one checkpoint file, each clearing the other's place); of an uploaded body of digest
+    ``sha256``, named by it (``Checkpoint``)."""
     suffix = shard.suffix if shard is not None else ""
-    file = data_dir / "warmup" / f"{name}{suffix}.checkpoint.json"
+    file = data_dir / "warmup" / f"{checkpoint_stem(source, sha256)}{suffix}.checkpoint.json"
     return Checkpoint(file, source, sha256)
+
+
+def checkpoint_stem(source: Path, sha256: str | None = None) -> str:
+    """What every checkpoint file of ``source`` (any shard count) begins with."""
+    if sha256:
+        return f"sha256-{sha256[:32]}"
+    tag = hashlib.sha256(str(source.resolve()).encode()).hexdigest()[:8]
+    return f"{source.name}.{tag}"
 
 
 def _file_name(out: IO[str] | None) -> str | None:
@@ -602,7 +612,8 @@ class WarmupJobs:
         end); ``JobRunning`` while a job of the same source runs."""
         checkpoint = checkpoint_for(services.settings.data_dir, path, sha256=upload)
         for job_id, running in self._jobs.items():
-            if running.checkpoint == checkpoint.file and running.progress.state in LIVE:
+            live = running.progress.state in LIVE and not (running.task and running.task.done())
+            if running.checkpoint == checkpoint.file and live:  # (done: it failed before a state)
                 raise JobRunning(job_id)
         job_id = f"w{next(self._ids)}-{int(time.time())}"
         job = _Job(WarmupProgress(source=shown_source(path, services.settings)), checkpoint.file)

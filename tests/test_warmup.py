@@ -38,7 +38,7 @@ from proxy.cli import app as cli
 from proxy.jobs import ProcessJobs
 from proxy.processes import ChildSpec
 from proxy.settings import Settings
-from proxy.warmup import RemoteSink, Shard, WarmupProgress, run_warmup
+from proxy.warmup import RemoteSink, Shard, WarmupProgress, checkpoint_for, run_warmup
 from tests.conftest import make_settings, open_client, wait_ready
 from tests.serve_process import crash
 
@@ -208,7 +208,7 @@ def test_resume_after_kill_embeds_nothing_twice(env: Path, tmp_path: Path) -> No
         "--checkpoint-every",
         "0.2",
     ]
-    checkpoint = env / "warmup" / "big.jsonl.checkpoint.json"
+    checkpoint = checkpoint_for(env, source).file
     first = subprocess.Popen(
         command,
         cwd=tmp_path,
@@ -280,7 +280,7 @@ def test_every_invalid_row_is_listed_once_across_a_kill_and_a_resume(
     command += ["--checkpoint-every", "0.2"]
     run_env = {**os.environ, "PYTHONPATH": str(REPO), "FLEETCACHE_WARMUP_PROCESSES": "2"}
     run_env["FLEETCACHE_FAKE_DELAY_MS"] = "10"  # a run of seconds, to be killed mid-way
-    places = [env / "warmup" / f"big.jsonl.shard{i}of2.checkpoint.json" for i in range(2)]
+    places = [checkpoint_for(env, source, Shard(i, 2)).file for i in range(2)]
     first = subprocess.Popen(
         command, cwd=tmp_path, env=run_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
@@ -413,6 +413,28 @@ def test_api_job_from_upload_cancel_and_resume(tmp_path: Path) -> None:
         outside = client.post("/v1/warmup", json={"path": "../../etc/passwd"})
         assert outside.status_code == 422 and outside.json()["error"]["param"] == "path"
         assert client.get("/v1/warmup/nope").status_code == 404
+
+
+def test_two_files_of_one_name_in_two_directories_each_keep_their_place(tmp_path: Path) -> None:
+    """Checkpoints were named by the file's name alone: a job of ``a/fleet.jsonl`` and one of
+    ``b/fleet.jsonl`` shared one checkpoint file (each clearing or overwriting the other's
+    place), and the second was refused as a job of the same source."""
+    settings = make_settings(tmp_path / "data")
+    for folder, seed in (("a", 1), ("b", 2)):
+        (settings.data_dir / folder).mkdir(parents=True)
+        write_records(generate_fleet(20_000, seed=seed), settings.data_dir / folder / "fleet.jsonl")
+    places = {
+        checkpoint_for(settings.data_dir, settings.data_dir / f / "fleet.jsonl").file for f in "ab"
+    }
+    assert len(places) == 2
+    with open_client(settings) as client:
+        wait_ready(client)
+        first = client.post("/v1/warmup", json={"path": "a/fleet.jsonl", "chunk_size": 50})
+        assert client.get(f"/v1/warmup/{first.json()['id']}").json()["state"] == "running"
+        second = client.post("/v1/warmup", json={"path": "b/fleet.jsonl", "chunk_size": 50})
+        assert second.status_code == 200, second.text
+        jobs = [poll(client, answer.json()["id"]) for answer in (first, second)]
+    assert [(job["state"], job["indexed"]) for job in jobs] == [("done", 20_000)] * 2
 
 
 def poll(client: TestClient, job: str) -> dict:
@@ -638,7 +660,12 @@ def test_a_worker_starts_a_job_itself_only_when_the_job_starter_did_not(
             job_id = asyncio.run(ProcessJobs(settings, run_dir).start(None, source))
             assert said_no.result(timeout=10) == job_id
             pid = json.loads((state_dir / f"{job_id}.json").read_text())["pid"]
-            assert os.waitpid(pid, 0)[0] == pid  # this process's child: started here
+            # this process's child, started here, and waited for by it (a zombie of the worker
+            # read "running" for ever): it is gone once it ends, reaped by no one else
+            deadline = time.monotonic() + 60
+            while Path(f"/proc/{pid}").exists():
+                assert time.monotonic() < deadline, "the job started here was not reaped"
+                time.sleep(0.02)
             went_silent = pool.submit(answer, b"")
             with pytest.raises(RuntimeError, match="job starter stopped while it started job"):
                 asyncio.run(ProcessJobs(settings, run_dir).start(None, source))
@@ -736,6 +763,38 @@ def test_a_cancelled_job_stops_at_once_and_keeps_the_place_of_its_finished_chunk
     two_chunks = 100 // warmup.RAMP[0] + 100 // warmup.RAMP[1]  # a job's first chunks: smaller
     assert (progress.state, progress.indexed) == ("cancelled", two_chunks)
     assert checkpoint.rows_done() == two_chunks
+
+
+def test_readers_rejects_merge_in_line_order_to_the_cap_dropping_a_half_written_line(
+    tmp_path: Path,
+) -> None:
+    """Each reader lists its rejects in order, up to the cap; merged, the file holds the first
+    ``cap`` of them in the file's line order, as one reader would. A reader killed mid-write
+    leaves a half line: it is dropped (its JSON error had replaced the job's own outcome)."""
+    rejects = tmp_path / "job.rejects.jsonl"
+    parts = {0: [3, 9, 12], 1: [1, 4, 10, 11]}
+    for i, numbers in parts.items():
+        lines = "".join(json.dumps({"line": n, "error": "bad"}) + "\n" for n in numbers)
+        Path(f"{rejects}.part{i}").write_text(lines + ('{"line": 20, "err' if i else ""))
+    jobs._merge_rejects(rejects, 2, cap=5)
+    listed = [json.loads(line)["line"] for line in rejects.read_text().splitlines()]
+    assert listed == [1, 3, 4, 9, 10]
+    assert not list(tmp_path.glob("*.part*"))
+
+
+def test_a_zombie_job_process_is_not_alive(tmp_path: Path) -> None:
+    """A job a worker started itself and that died stayed its zombie (nothing waited for it):
+    ``kill(pid, 0)`` still succeeds, so it read "running" for ever and every POST of its
+    source was a 409. A zombie is dead; and the worker now waits for the jobs it starts."""
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    stat = Path(f"/proc/{process.pid}/stat")
+    deadline = time.monotonic() + 10
+    while stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline, "the child did not end within 10 s"
+        time.sleep(0.01)
+    assert not jobs._alive(process.pid)
+    assert jobs._alive(os.getpid())
+    process.wait()
 
 
 def test_a_jobs_rejects_file_is_capped_but_every_reject_counted(tmp_path: Path) -> None:
