@@ -337,6 +337,8 @@ async def run_warmup(
         if checkpoint and sink is not None:  # the state changes only once the place is kept
             if stopped:
                 checkpoint.save(done_rows, rejects, done_rejects)
+                if rejects is not None and _file_name(rejects):  # the rows it resumes from
+                    rejects.truncate(done_rejects)  # are read, and listed, again
             else:
                 checkpoint.clear()
         progress.state = "cancelled" if stopped else "done"

@@ -415,6 +415,39 @@ def test_api_job_from_upload_cancel_and_resume(tmp_path: Path) -> None:
         assert client.get("/v1/warmup/nope").status_code == 404
 
 
+def test_a_stopped_job_and_the_one_that_resumes_it_list_each_invalid_row_once(
+    tmp_path: Path,
+) -> None:
+    """A cancelled job kept the rejects of rows past its place (its chunks let go), which the
+    job that resumes it reads and lists again: across the two files some rows were listed
+    twice. The stopped job's file now ends at its place."""
+    settings = make_settings(tmp_path / "data")
+    settings.data_dir.mkdir(parents=True)
+    lines = [json.dumps(d.model_dump(mode="json")) for d in generate_fleet(20_000, seed=6)]
+    bad = list(range(5, 20_000, 97))  # 1-based line numbers
+    for line in bad:
+        lines[line - 1] = '{"driver_id": "BAD", "status": "available"'  # cut short
+    (settings.data_dir / "fleet.jsonl").write_text("\n".join(lines) + "\n")
+    with open_client(settings) as client:
+        wait_ready(client)
+        job = {"path": "fleet.jsonl", "chunk_size": 50}
+        first = client.post("/v1/warmup", json=job).json()["id"]
+        while client.get(f"/v1/warmup/{first}").json()["indexed"] < 2_000:
+            time.sleep(0.005)
+        stopped = client.delete(f"/v1/warmup/{first}").json()
+        assert stopped["state"] == "cancelled" and stopped["rows"] < 20_000, stopped
+        second = poll(client, client.post("/v1/warmup", json=job).json()["id"])
+        assert (second["state"], second["resumed_from"]) == ("done", stopped["rows"])
+    listed = [
+        [json.loads(line)["line"] for line in path.read_text().splitlines()]
+        for path in (
+            settings.data_dir / "warmup" / f"{i}.rejects.jsonl" for i in (first, second["id"])
+        )
+    ]
+    assert all(line <= stopped["rows"] for line in listed[0]), (stopped["rows"], listed[0])
+    assert listed[0] + listed[1] == bad  # each once, in order
+
+
 def test_two_files_of_one_name_in_two_directories_each_keep_their_place(tmp_path: Path) -> None:
     """Checkpoints were named by the file's name alone: a job of ``a/fleet.jsonl`` and one of
     ``b/fleet.jsonl`` shared one checkpoint file (each clearing or overwriting the other's
