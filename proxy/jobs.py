@@ -64,6 +64,7 @@ from proxy.warmup import (
     Shard,
     WarmupProgress,
     checkpoint_for,
+    checkpoint_stem,
     shown_source,
 )
 
@@ -187,8 +188,9 @@ class ProcessJobs:
                 _write_json(self.dir / f"{job_id}.json", {**state, "pid": pid})
 
     def _refuse_a_second(self, checkpoint: str) -> None:
-        """``JobRunning`` where a live job has ``checkpoint``; the uploads of jobs that died
-        (with their server, or killed) removed on the way, as their job's end would have."""
+        """``JobRunning`` where a live job has ``checkpoint``; the jobs that died (with their
+        server, or killed) settled on the way, as their end would have: their rejects merged,
+        their uploads removed."""
         for file in self.dir.glob("*.json"):
             progress = self._progress(file.stem)
             try:
@@ -199,9 +201,29 @@ class ProcessJobs:
                 continue
             if progress.state in LIVE and state.get("checkpoint") == checkpoint:
                 raise JobRunning(file.stem)
-            if progress.state == "failed" and state.get("upload"):
-                with contextlib.suppress(OSError):  # not this POST's to fail
-                    Path(state["path"]).unlink(missing_ok=True)
+            if progress.state == "failed":
+                with contextlib.suppress(OSError, ValueError):  # not this POST's to fail
+                    self._settle_rejects(file.stem, state)
+                    if state.get("upload"):
+                        Path(state["path"]).unlink(missing_ok=True)
+
+    def _settle_rejects(self, job_id: str, state: dict[str, Any]) -> None:
+        """A job killed outright (the OOM killer) left its readers' rejects in their parts:
+        each cut back to the place its checkpoint kept (the job that resumes it lists the
+        rows from there), then merged into the job's file, as its end would have done."""
+        rejects = self.dir.parent / f"{job_id}.rejects.jsonl"
+        parts = sorted(rejects.parent.glob(f"{rejects.name}.part*"))
+        if not parts:
+            return
+        kept: dict[str, int] = {}  # part -> its size at its checkpoint
+        stem = checkpoint_stem(Path(state["path"]), state.get("upload"))
+        for place in (self.dir.parent).glob(f"{stem}*.checkpoint.json"):
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                saved = json.loads(place.read_text())["rejects"]
+                kept[saved["path"]] = int(saved["bytes"])
+        for part in parts:
+            os.truncate(part, min(kept.get(str(part.resolve()), 0), part.stat().st_size))
+        _merge_rejects(rejects, parts, self.settings.max_rejects)
 
     def _from_starter(self, job_id: str) -> int | None:
         """The pid of the job forked by the server's job starter, or None when it did not
@@ -491,7 +513,8 @@ async def run_sharded(
         )
     finally:
         if merge_stopped or progress.state in ("done", "failed"):
-            _merge_rejects(Path(options.rejects), shards, spec.load_settings().max_rejects)
+            parts = [Path(f"{options.rejects}.part{i}") for i in range(shards)]
+            _merge_rejects(Path(options.rejects), parts, spec.load_settings().max_rejects)
 
 
 async def _start_shards(
@@ -556,11 +579,11 @@ def _rejects_part(options: JobOptions, shard: Shard) -> IO[str]:
     return Path(f"{options.rejects}.part{shard.index}").open("a")
 
 
-def _merge_rejects(rejects: Path, shards: int, cap: int) -> None:
-    """The readers' rejects appended to ``rejects`` in the file's line order, the first
-    ``cap`` of them, as one reader lists them (each reader lists its own in order, up to
-    ``cap``). A line a killed reader left half-written is dropped."""
-    parts = [part for i in range(shards) if (part := Path(f"{rejects}.part{i}")).exists()]
+def _merge_rejects(rejects: Path, parts: list[Path], cap: int) -> None:
+    """The readers' rejects (``parts``, those there) appended to ``rejects`` in the file's
+    line order, the first ``cap`` of them, as one reader lists them (each reader lists its
+    own in order, up to ``cap``). A line a killed reader left half-written is dropped."""
+    parts = [part for part in parts if part.exists()]
     with rejects.open("a") as out, contextlib.ExitStack() as opened:
         readers = [_rejected(opened.enter_context(part.open())) for part in parts]
         out.writelines(line for _, line in itertools.islice(heapq.merge(*readers), cap))

@@ -619,9 +619,15 @@ def test_an_upload_job_runs_once_at_a_time_and_resumes_after_its_process_is_kill
     naming it (two jobs of one checkpoint each skipped rows the other kept, or one failed on
     its file). Its process killed outright (the OOM killer), the same POST resumes it from
     its checkpoint, which follows the body's SHA-256 (each upload has a file of its own),
-    and removes the killed job's upload, which no end of its job did."""
+    and removes the killed job's upload, which no end of its job did. Its invalid rows are
+    listed once over the two jobs: the killed one's, left in its reader's part, cut back to
+    its checkpoint and merged into its file by that POST; the rest by the job resuming it."""
     fleet = tmp_path / "fleet.jsonl"
-    write_records(generate_fleet(8_000, seed=15), fleet)
+    lines = [json.dumps(d.model_dump(mode="json")) for d in generate_fleet(8_000, seed=15)]
+    bad = list(range(3, 8_000, 150))  # 1-based line numbers
+    for line in bad:
+        lines[line - 1] = '{"driver_id": "BAD", "status": "available"'  # cut short
+    fleet.write_text("\n".join(lines) + "\n")
     warmup = tmp_path / "server" / "data" / "warmup"
     settings = {"workers": 2, "warmup_processes": 1, "fake_delay_ms": 150}
     with FleetcacheServer(tmp_path / "server", **settings) as server:
@@ -647,8 +653,18 @@ def test_an_upload_job_runs_once_at_a_time_and_resumes_after_its_process_is_kill
             assert again.status_code == 200, again.text
             resumed = job_ended(client, again.json()["id"], 120)
         assert (resumed["state"], resumed["resumed_from"]) == ("done", kept), resumed
-        assert resumed["rows"] == 8_000 and server.stats()["fleet"]["drivers"] == 8_000
+        assert resumed["rows"] == 8_000
+        assert server.stats()["fleet"]["drivers"] == 8_000 - len(bad)
         assert list(warmup.glob("upload-*")) + list(warmup.glob("sha256-*")) == []
+    listed = [
+        [
+            json.loads(line)["line"]
+            for line in (warmup / f"{j}.rejects.jsonl").read_text().splitlines()
+        ]
+        for j in (job_id, resumed["id"])
+    ]
+    assert all(line <= kept for line in listed[0]) and listed[0] + listed[1] == bad, listed
+    assert not list(warmup.glob("*.part*"))
 
 
 def upload_job(url: str, fleet: Path) -> httpx.Response:

@@ -809,7 +809,7 @@ def test_readers_rejects_merge_in_line_order_to_the_cap_dropping_a_half_written_
     for i, numbers in parts.items():
         lines = "".join(json.dumps({"line": n, "error": "bad"}) + "\n" for n in numbers)
         Path(f"{rejects}.part{i}").write_text(lines + ('{"line": 20, "err' if i else ""))
-    jobs._merge_rejects(rejects, 2, cap=5)
+    jobs._merge_rejects(rejects, [Path(f"{rejects}.part{i}") for i in range(3)], cap=5)
     listed = [json.loads(line)["line"] for line in rejects.read_text().splitlines()]
     assert listed == [1, 3, 4, 9, 10]
     assert not list(tmp_path.glob("*.part*"))
