@@ -207,7 +207,9 @@ def test_the_engine_process_times_its_hand_over_of_a_batch_formed_ahead() -> Non
         time.sleep(0.2)  # its answer (at ~0.25 s) waits ~0.15 s to be picked up
         engine.forward(ahead[0])
         seconds = engine.health()["seconds"]
-        assert 0.2 <= seconds["forming"] < 0.4
+        # the former's 0.2 s began just before forward() started the engine thread on its
+        # batch: CI measured 0.19999 once, so the bound allows that head start
+        assert 0.18 <= seconds["forming"] < 0.4
         assert 0.1 <= seconds["pickup"] < 0.3
         assert seconds["tokenizing"] < 0.05
     finally:
