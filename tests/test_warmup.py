@@ -660,7 +660,17 @@ def test_a_job_process_runs_below_the_workers_from_its_start(tmp_path: Path) -> 
     job_id = asyncio.run(ProcessJobs(settings, run_dir).start(None, source))
     pid = json.loads((settings.data_dir / "warmup" / "jobs" / f"{job_id}.json").read_text())["pid"]
     assert os.getpriority(os.PRIO_PROCESS, pid) == expected
-    os.waitpid(pid, 0)  # it fails at once: this run dir has no server's spec
+    wait_reaped(pid)  # it fails at once: this run dir has no server's spec
+
+
+def wait_reaped(pid: int, within_s: float = 60.0) -> None:
+    """Until process ``pid``, a job a worker (this process) started, is gone: the worker
+    waits for the jobs it starts (a zombie of it read "running" for ever), and no one else
+    can reap its child."""
+    deadline = time.monotonic() + within_s
+    while Path(f"/proc/{pid}").exists():
+        assert time.monotonic() < deadline, f"the job {pid} started here was not reaped"
+        time.sleep(0.02)
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # its Popen
@@ -693,12 +703,7 @@ def test_a_worker_starts_a_job_itself_only_when_the_job_starter_did_not(
             job_id = asyncio.run(ProcessJobs(settings, run_dir).start(None, source))
             assert said_no.result(timeout=10) == job_id
             pid = json.loads((state_dir / f"{job_id}.json").read_text())["pid"]
-            # this process's child, started here, and waited for by it (a zombie of the worker
-            # read "running" for ever): it is gone once it ends, reaped by no one else
-            deadline = time.monotonic() + 60
-            while Path(f"/proc/{pid}").exists():
-                assert time.monotonic() < deadline, "the job started here was not reaped"
-                time.sleep(0.02)
+            wait_reaped(pid)  # this process's child, started here, and waited for by it
             went_silent = pool.submit(answer, b"")
             with pytest.raises(RuntimeError, match="job starter stopped while it started job"):
                 asyncio.run(ProcessJobs(settings, run_dir).start(None, source))
