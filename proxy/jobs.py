@@ -192,13 +192,11 @@ class ProcessJobs:
         server, or killed) settled on the way, as their end would have: their rejects merged,
         their uploads removed."""
         for file in self.dir.glob("*.json"):
-            progress = self._progress(file.stem)
             try:
                 state = self._read(file.stem)
             except (OSError, ValueError):
                 continue
-            if progress is None:
-                continue
+            progress = self._judged(file.stem, state)
             if progress.state in LIVE and state.get("checkpoint") == checkpoint:
                 raise JobRunning(file.stem)
             if progress.state == "failed":
@@ -217,7 +215,7 @@ class ProcessJobs:
             return
         kept: dict[str, int] = {}  # part -> its size at its checkpoint
         stem = checkpoint_stem(Path(state["path"]), state.get("upload"))
-        for place in (self.dir.parent).glob(f"{stem}*.checkpoint.json"):
+        for place in rejects.parent.glob(f"{stem}*.checkpoint.json"):
             with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
                 saved = json.loads(place.read_text())["rejects"]
                 kept[saved["path"]] = int(saved["bytes"])
@@ -257,13 +255,17 @@ class ProcessJobs:
         return dict(json.loads((self.dir / f"{job_id}.json").read_text()))
 
     def _progress(self, job_id: str) -> WarmupProgress | None:
-        """The job's state file; a job it shows running whose process is gone is ``failed``
-        ("server restarted", or, in this server's run, its process killed: by the OOM
-        killer, say), finished when it last wrote its state, which every read agrees on."""
         try:
             state = self._read(job_id)
         except (OSError, ValueError):
             return None
+        return self._judged(job_id, state)
+
+    def _judged(self, job_id: str, state: dict[str, Any]) -> WarmupProgress:
+        """The job's progress from its state file; a job it shows running whose process is
+        gone is ``failed`` ("server restarted", or, in this server's run, its process killed:
+        by the OOM killer, say), finished when it last wrote its state, which every read
+        agrees on."""
         progress = WarmupProgress(**{k: v for k, v in state.items() if k in _PROGRESS_FIELDS})
         ours = state.get("server") == self.server
         if progress.state in LIVE and not (ours and state.get("pid") and _alive(state["pid"])):
@@ -513,7 +515,7 @@ async def run_sharded(
         )
     finally:
         if merge_stopped or progress.state in ("done", "failed"):
-            parts = [Path(f"{options.rejects}.part{i}") for i in range(shards)]
+            parts = [rejects_part(options.rejects, i) for i in range(shards)]
             _merge_rejects(Path(options.rejects), parts, spec.load_settings().max_rejects)
 
 
@@ -576,7 +578,12 @@ async def _start_shards(
 def _rejects_part(options: JobOptions, shard: Shard) -> IO[str]:
     """Opened to append: ``run_warmup`` cuts it back to what its checkpoint kept (nothing on a
     first run)."""
-    return Path(f"{options.rejects}.part{shard.index}").open("a")
+    return rejects_part(options.rejects, shard.index).open("a")
+
+
+def rejects_part(rejects: str | Path, index: int) -> Path:
+    """Reader ``index``'s part of a job's rejects file (``<rejects>.part<index>``)."""
+    return Path(f"{rejects}.part{index}")
 
 
 def _merge_rejects(rejects: Path, parts: list[Path], cap: int) -> None:

@@ -118,7 +118,8 @@ async def start_warmup(request: Request, services: ServicesDep, jobs: JobsDep) -
         upload = services.settings.data_dir / "warmup" / f"upload-{time.time_ns()}.jsonl"
         digest = await save_upload(request, upload)
         try:
-            await asyncio.to_thread(check_jsonl, upload, False)  # past blank lines: off the loop
+            # past any blank lines: off the loop
+            await asyncio.to_thread(check_jsonl, upload, empty_ok=False)
         except ValueError as exc:
             upload.unlink(missing_ok=True)
             raise APIError(422, f"the body: {exc}", param="body") from None
