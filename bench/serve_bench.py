@@ -37,6 +37,10 @@ the same app in one process, ``create_app`` under uvicorn, as v1 ran) on a fresh
   ``--server-cpus``): the job on the cores the tokenizer's ceiling had, where
   ``--server-cpus`` kept some for wrk. ``--lower engine,index=10`` (or ``=idle``, or ``job``)
   lowers those processes' priority first: what of the lookups' p99 each one accounts for.
+- each miss run prints its own new texts/s and p99 beside the device child's account, and
+  how long the engine process's, the device child's and the workers' threads waited for a
+  CPU; ``--nice engine,device=-10`` (any of ``lower_roles``' roles) sets that priority for
+  the even miss runs only, so that one server gives runs with and without it in turns.
 
 ``--code DIR`` serves another checkout (a before/after comparison in one device call).
 Each load phase runs ``--runs`` times: the table shows the median of the runs' figures and
@@ -310,13 +314,28 @@ def measure_layout(
             if run == 0:
                 before = server.metrics()
             with profiled(args, server, out / f"profile-misses-{workers}.txt", run == 0):
+                # (a worker's /v1/stats under the load can take seconds: asked before it)
+                niced = lower_roles(server, args.nice) if args.nice and run % 2 else {}
+                pids = role_pids(server)
                 load = wrk.start("misses.lua", url, c, d, FMT="base64", SALT=f"r{run}-")
                 # from a moment into the run: a batch's wait counts from the answer before
                 time.sleep(min(0.5, d / 4))
                 child = (time.monotonic(), server.stats()["inference"]["device_process"])
-                runs["misses"].append(wrk.result(load))
+                waits = {role: RunQueueWait(pids[role]) for role in ("engine", "device", "workers")}
+                with contextlib.ExitStack() as stack:
+                    for wait in waits.values():
+                        stack.enter_context(wait)
+                    runs["misses"].append(wrk.result(load))
+                restore_nice(niced)
             after = (time.monotonic(), server.stats()["inference"]["device_process"])
             children_runs.append(device_child(child, after))
+            if children_runs[-1] is not None:
+                miss = runs["misses"][-1]
+                children_runs[-1]["misses"] = (miss["ok_s"] * 32, miss["p99_ms"])
+                children_runs[-1]["nice"] = args.nice if niced else ""
+                children_runs[-1]["run_queue"] = {
+                    role: (wait.per_s, wait.ran_per_s) for role, wait in waits.items()
+                }
             runs["engine_cpu"].append(cpu.per_item())
             runs["drain"].append(written_back_after(server))
         row_stages = stage_means(before, server.metrics()) if args.runs else {}
@@ -842,36 +861,57 @@ class RunQueueWait:
         self.ran_per_s = (ran - ran0) / 1e6 / seconds
 
 
-def lower_roles(server: Server, spec: str) -> None:
+def lower_roles(server: Server, spec: str) -> dict[int, int]:
     """``--lower engine,index=10`` (a nice value) or ``=idle`` (``SCHED_IDLE``): every thread
     of those processes of the server from now on (threads they start later inherit it);
     ``job``: the job starter, so every job and reader it forks; ``writer``: the engines'
     LMDB writer children (and their partitions' writers); ``rest``: every process of the
     server but its workers and the supervisor. An experiment: what of the lookups' p99
-    beside a job the priority of each process accounts for."""
+    beside a job the priority of each process accounts for. Returns each thread's nice
+    before (``restore_nice``)."""
     from proxy.jobs import STARTER_NAME
 
     roles, _, level = spec.partition("=")
-    processes = server.stats()["processes"]
-    everyone = tree(server.process.pid)
-    not_rest = {server.process.pid, *(w["pid"] for w in processes["workers"])}
-    engines = [e["pid"] for e in processes["engines"]]
-    device = (server.stats()["inference"].get("device_process") or {}).get("pid")
-    pids = {
-        "engine": engines,
-        "writer": [p for p in children(engines) if p != device],
-        "index": [processes["index"]["pid"]],
-        "job": [p for p in everyone if proc_name(p) == STARTER_NAME],
-        "rest": [p for p in everyone if p not in not_rest],
-    }
+    pids = role_pids(server)
+    pids["job"] = [p for p in tree(server.process.pid) if proc_name(p) == STARTER_NAME]
+    before: dict[int, int] = {}
     for role in roles.split(","):
         print(f"lowered to {level}: {role}, {len(pids[role])} processes", flush=True)
         for pid in pids[role]:
             for task in Path(f"/proc/{pid}/task").iterdir():
+                tid = int(task.name)
+                before[tid] = os.getpriority(os.PRIO_PROCESS, tid)
                 if level == "idle":
-                    os.sched_setscheduler(int(task.name), os.SCHED_IDLE, os.sched_param(0))
+                    os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
                 else:
-                    os.setpriority(os.PRIO_PROCESS, int(task.name), int(level))
+                    os.setpriority(os.PRIO_PROCESS, tid, int(level))
+    return before
+
+
+def restore_nice(before: dict[int, int]) -> None:
+    """Each thread's nice as ``lower_roles`` found it (a nice value, not ``idle``)."""
+    for tid, nice in before.items():
+        with contextlib.suppress(OSError):  # gone meanwhile
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+
+
+def role_pids(server: Server) -> dict[str, list[int]]:
+    """The server's processes by role (``lower_roles``): ``engine``, ``device`` (its device
+    child), ``writer``, ``index``, ``workers``, ``rest`` (all but the workers and the
+    supervisor)."""
+    processes = server.stats()["processes"]
+    everyone = tree(server.process.pid)
+    workers = [w["pid"] for w in processes["workers"]]
+    engines = [e["pid"] for e in processes["engines"]]
+    device = (server.stats()["inference"].get("device_process") or {}).get("pid")
+    return {
+        "engine": engines,
+        "device": [] if device is None else [device],
+        "writer": [p for p in children(engines) if p != device],
+        "index": [processes["index"]["pid"]],
+        "workers": workers,
+        "rest": [p for p in everyone if p not in {server.process.pid, *workers}],
+    }
 
 
 def proc_name(pid: int) -> str:
@@ -1144,8 +1184,10 @@ def device_line(device: dict[str, Any]) -> str:
     device idle says the engine process sends batches late; batches waiting padded say the
     child's own loop is late."""
     span, n, s = device["span_s"], max(device["batches"], 1), device["seconds"]
+    misses = device.get("misses")  # a miss run's (not a job's)
     return (
-        f"the device child over {span:.2f} s ({device['batches']:,} batches): forward "
+        ("" if misses is None else f"{misses[0]:,.0f} new texts/s, p99 {misses[1]:.1f} ms; ")
+        + f"the device child over {span:.2f} s ({device['batches']:,} batches): forward "
         f"{s['forward']:.2f} s ({s['forward'] / span:.0%}); its loop waiting for a batch "
         f"{s['waiting']:.2f} s ({s['waiting'] / span:.0%}), in {device['starved']:,} of the "
         f"batches; padded batches waiting for the loop {s['queued'] * 1e3 / n:.2f} ms a "
@@ -1156,9 +1198,19 @@ def device_line(device: dict[str, Any]) -> str:
             if key in s  # a child of code before them (--code) has not these
         )
         + " (ms a batch)"
+        + "".join(
+            f"; {WHOSE[role]} threads waiting for a CPU {wait:.0f} ms a second (running {ran:.0f})"
+            for role, (wait, ran) in device.get("run_queue", {}).items()
+        )
+        + (f" (with --nice {device['nice']})" if device.get("nice") else "")
     )
 
 
+WHOSE = {
+    "engine": "the engine process's",
+    "device": "the device child's",
+    "workers": "the workers'",
+}
 # The hand-over's steps (``proxy.device_process``), as ``device_line`` prints them.
 HAND_OVER = (
     ("late", "of the waiting, before the engine process had sent the batch"),
@@ -1230,6 +1282,12 @@ def main() -> None:
     parser.add_argument("--profile", default="", help="py-spy binary: profile misses, warm-up")
     parser.add_argument(
         "--lower", default="", help="engine,index,job|rest=NICE|idle: those processes lowered"
+    )
+    parser.add_argument(
+        "--nice",
+        default="",
+        help="ROLE,...=NICE (lower_roles' roles, workers and device too): set for the even "
+        "miss runs only (the 2nd, 4th, ...), so that one server gives both in turns",
     )
     parser.add_argument("--profile-gil", action="store_true", help="only threads holding the GIL")
     parser.add_argument(
