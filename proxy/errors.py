@@ -16,7 +16,8 @@ Exceptions translated here, one handler per family::
     engines QueueFullError          429 (retry later)
     engines DeadlineExceededError   503 "deadline_exceeded" (queued past its deadline; retry)
     proxy.ipc ServiceUnavailableError  503 "<service>_unavailable" + Retry-After: the engine
-                                    process or the fleet index owner is down (or restarting)
+                                    process or the fleet index owner is down (or restarting),
+                                    or the warm-up job starter took a job and fell silent
     engines EngineUnavailableError  503 "engine_unavailable" + Retry-After: nothing can serve
                                     a miss now (primary unhealthy, no fallback)
     engines EngineError             503 "engine_error" (a batch failed; hits are still served)

@@ -54,6 +54,7 @@ from typing import IO, Any
 
 from proxy.board import Boards, owner_alive
 from proxy.cores import lower, usable_cores
+from proxy.ipc import ServiceUnavailableError
 from proxy.processes import ENGINE_GC_THRESHOLDS, ChildSpec, frozen_heap
 from proxy.public import public_error
 from proxy.settings import Settings
@@ -181,7 +182,14 @@ class ProcessJobs:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
             self._refuse_a_second(state["checkpoint"])
             _write_json(self.dir / f"{job_id}.json", state)
-            pid = self._from_starter(job_id) or self._from_scratch(job_id)
+            try:
+                pid = self._from_starter(job_id) or self._from_scratch(job_id)
+            except ServiceUnavailableError as exc:
+                # the starter took the id and may fork the job yet: the job reads this and
+                # does not run (run_job); the next POST starts another
+                failed = {"state": "failed", "error": str(exc), "finished": time.time()}
+                _write_json(self.dir / f"{job_id}.json", {**state, **failed})
+                raise
             lower_priority(pid)  # a no-op for a job of the starter, which runs there already
             state = self._read(job_id)
             if not state["pid"]:  # the job has not written its own state yet
@@ -227,17 +235,28 @@ class ProcessJobs:
         """The pid of the job forked by the server's job starter, or None when it did not
         fork it: not there (not started yet, restarting, an app without a supervisor), gone
         before it took the job id (the kernel resets a connection it never accepted), or it
-        said so (0)."""
+        said so (0). ``ServiceUnavailableError`` (a 503 to the POST) when it took the id and
+        then closed or was silent for ``STARTER_REPLY_S``: it may fork the job yet."""
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as starter:
             starter.settimeout(STARTER_REPLY_S)
             try:
                 starter.connect(str(self.run_dir / STARTER_SOCKET))
+            except (FileNotFoundError, ConnectionRefusedError, BlockingIOError, TimeoutError):
+                return None  # it never took the id (not there, or its backlog full)
+            try:
                 starter.sendall(job_id.encode() + b"\n")
                 reply = starter.recv(32)
-            except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError):
+            except (ConnectionResetError, BrokenPipeError):  # gone before it read the id
                 return None
-        if not reply:  # it took the id and died: the job may run, a second one must not
-            raise RuntimeError(f"the job starter stopped while it started job {job_id}")
+            except TimeoutError:
+                reply = None
+        if not reply:  # it took the id (it may yet fork the job): a second one must not run
+            said = "did not answer in time" if reply is None else "stopped"
+            raise ServiceUnavailableError(
+                f"the job starter {said} while it started job {job_id}: that job will not "
+                "run; POST again",
+                "job_starter",
+            )
         return int(reply) or None
 
     def _from_scratch(self, job_id: str) -> int:
@@ -634,6 +653,8 @@ async def run_job(run_dir: Path, job_id: str) -> None:
     directory = jobs_dir(settings)
     state_file, cancel_file = directory / f"{job_id}.json", directory / f"{job_id}.cancel"
     state = {**json.loads(state_file.read_text()), "pid": os.getpid()}
+    if state["state"] not in LIVE:  # the worker gave it up (its starter was silent)
+        return
     progress = WarmupProgress(source=state["source"])  # as the worker showed it
     due = ProgressDue(PROGRESS_EVERY_S)
     stop = asyncio.Event()

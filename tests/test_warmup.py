@@ -35,6 +35,7 @@ from features.text import driver_text
 from proxy import jobs, warmup
 from proxy import services as services_module
 from proxy.cli import app as cli
+from proxy.ipc import ServiceUnavailableError
 from proxy.jobs import ProcessJobs
 from proxy.processes import ChildSpec
 from proxy.settings import Settings
@@ -679,8 +680,10 @@ def test_a_worker_starts_a_job_itself_only_when_the_job_starter_did_not(
 ) -> None:
     """The starter answers 0 when it could not fork the job: the worker starts it itself.
     One that took the job id and closed without a word may have forked it: the POST fails
-    rather than start a second process for the job. One that does not answer fails the POST
-    after ``STARTER_REPLY_S``, while the worker's loop serves its other requests."""
+    with a 503 rather than start a second process for the job, the job is marked failed,
+    and a process started for it later (the starter forking it at last) does not run it.
+    One that does not answer fails the POST the same way after ``STARTER_REPLY_S``, while
+    the worker's loop serves its other requests."""
     settings = make_settings(tmp_path / "data")
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -705,10 +708,21 @@ def test_a_worker_starts_a_job_itself_only_when_the_job_starter_did_not(
             pid = json.loads((state_dir / f"{job_id}.json").read_text())["pid"]
             wait_reaped(pid)  # this process's child, started here, and waited for by it
             went_silent = pool.submit(answer, b"")
-            with pytest.raises(RuntimeError, match="job starter stopped while it started job"):
+            with pytest.raises(ServiceUnavailableError, match="job starter stopped") as info:
                 asyncio.run(ProcessJobs(settings, run_dir).start(None, source))
+            assert info.value.service == "job_starter"  # 503 job_starter_unavailable
             asked = went_silent.result(timeout=10)
-            assert json.loads((state_dir / f"{asked}.json").read_text())["pid"] == 0
+            given_up = (state_dir / f"{asked}.json").read_text()
+            state = json.loads(given_up)
+            assert (state["state"], state["pid"]) == ("failed", 0)
+            assert "will not run; POST again" in state["error"]
+            spec = ChildSpec(settings.model_dump(mode="json"), str(run_dir))
+            (run_dir / jobs.SPEC_FILE).write_text(json.dumps(asdict(spec)))
+            late = subprocess.run(  # the job's process, started after the worker gave it up
+                [sys.executable, "-m", "proxy.jobs", str(run_dir), asked], timeout=120
+            )
+            assert late.returncode == 0
+            assert (state_dir / f"{asked}.json").read_text() == given_up  # it did not run
 
             # one that never answers holds the POST, not the worker's other requests
             monkeypatch.setattr(jobs, "STARTER_REPLY_S", 0.5)
@@ -725,13 +739,15 @@ def test_a_worker_starts_a_job_itself_only_when_the_job_starter_did_not(
 
                 ticker = asyncio.create_task(tick())
                 try:
-                    with pytest.raises(TimeoutError):
+                    with pytest.raises(ServiceUnavailableError, match="did not answer in time"):
                         await ProcessJobs(settings, run_dir).start(None, source)
                 finally:
                     ticker.cancel()
 
             asyncio.run(serve_meanwhile())
             assert ticks >= 20, ticks  # ~50 in 0.5 s
+            (silent,) = {p.stem for p in state_dir.glob("*.json")} - {job_id, asked}
+            assert json.loads((state_dir / f"{silent}.json").read_text())["state"] == "failed"
 
 
 def test_a_jobs_state_file_written_by_two_processes_at_once_is_always_whole(
