@@ -18,6 +18,16 @@ def cut_paths(text: str) -> str:
     return _PATH.sub(lambda m: Path(m.group()).name, text)
 
 
+def public_model(model: str) -> str:
+    """The model as a dispatch client's answer names it: a model directory by its name, not
+    where it lies on the server (``/v1/stats``, for operators, keeps the path); the packaged
+    model's directory, ``model`` inside its package, by the package's name."""
+    path = Path(model)
+    if not path.is_absolute():
+        return model
+    return path.parent.name if path.name == "model" and path.parent.name else path.name
+
+
 def public_reason(reason: str) -> str:
     """``reason`` as an error answer may give it: an exception's text in it, from its class
     name on, replaced by a pointer to the log, and each absolute path cut."""

