@@ -34,9 +34,10 @@ from proxy.warmup import (
     CHECKPOINT_EVERY_S,
     RemoteSink,
     WarmupProgress,
+    checkpoint_files,
     checkpoint_for,
-    checkpoint_stem,
     coverage,
+    rejects_parts,
     run_warmup,
 )
 
@@ -263,13 +264,13 @@ def warmup(
         raise typer.Exit(1)
     # direct mode keeps its place in the data dir; through a proxy, in the working directory
     places = settings.data_dir / "warmup" if settings else Path(".fleetcache") / "warmup"
-    checkpoint, stem = checkpoint_for(places.parent, path), checkpoint_stem(path)
+    checkpoint = checkpoint_for(places.parent, path)
     rejects = rejects or path.with_name(f"{path.name}.rejects.jsonl")
     resuming = not dry_run and (
-        checkpoint.rows_done() > 0 if url else any(places.glob(f"{stem}*.checkpoint.json"))
+        checkpoint.rows_done() > 0 if url else bool(checkpoint_files(places.parent, path))
     )
     if restart or not resuming:  # a run from row 1 starts its own list; a resumed one adds
-        for old in (rejects, *rejects.parent.glob(f"{rejects.name}.part*")):
+        for old in (rejects, *rejects_parts(rejects)):
             old.unlink(missing_ok=True)  # with the readers' parts a stopped run left
     progress = WarmupProgress(source=str(path), dry_run=dry_run)
     columns = (
@@ -299,7 +300,7 @@ def warmup(
 
         try:
             if restart:  # every shard's place, whatever the shard count was
-                for place in places.glob(f"{stem}*.checkpoint.json"):
+                for place in checkpoint_files(places.parent, path):
                     place.unlink()
             if dry_run or url:
                 with rejects.open("a") as out:

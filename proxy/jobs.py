@@ -64,8 +64,9 @@ from proxy.warmup import (
     JobRunning,
     Shard,
     WarmupProgress,
+    checkpoint_files,
     checkpoint_for,
-    checkpoint_stem,
+    rejects_parts,
     shown_source,
 )
 
@@ -218,12 +219,12 @@ class ProcessJobs:
         each cut back to the place its checkpoint kept (the job that resumes it lists the
         rows from there), then merged into the job's file, as its end would have done."""
         rejects = self.dir.parent / f"{job_id}.rejects.jsonl"
-        parts = sorted(rejects.parent.glob(f"{rejects.name}.part*"))
+        parts = rejects_parts(rejects)
         if not parts:
             return
         kept: dict[str, int] = {}  # part -> its size at its checkpoint
-        stem = checkpoint_stem(Path(state["path"]), state.get("upload"))
-        for place in rejects.parent.glob(f"{stem}*.checkpoint.json"):
+        places = checkpoint_files(self.settings.data_dir, Path(state["path"]), state.get("upload"))
+        for place in places:
             with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
                 saved = json.loads(place.read_text())["rejects"]
                 kept[saved["path"]] = int(saved["bytes"])

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import glob
 import hashlib
 import itertools
 import json
@@ -219,6 +220,18 @@ def checkpoint_stem(source: Path, sha256: str | None = None) -> str:
         return f"sha256-{sha256[:32]}"
     tag = hashlib.sha256(str(source.resolve()).encode()).hexdigest()[:8]
     return f"{source.name}.{tag}"
+
+
+def checkpoint_files(data_dir: Path, source: Path, sha256: str | None = None) -> list[Path]:
+    """Every checkpoint file of ``source`` (any shard count) in ``data_dir``; its name may
+    hold glob's own characters (``fleet[2026].jsonl``: a pattern of it found none)."""
+    stem = glob.escape(checkpoint_stem(source, sha256))
+    return sorted((data_dir / "warmup").glob(f"{stem}*.checkpoint.json"))
+
+
+def rejects_parts(rejects: Path) -> list[Path]:
+    """The readers' parts of a rejects file (``<rejects>.part<index>``) that are there."""
+    return sorted(rejects.parent.glob(f"{glob.escape(rejects.name)}.part*"))
 
 
 def _file_name(out: IO[str] | None) -> str | None:

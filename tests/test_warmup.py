@@ -39,7 +39,14 @@ from proxy.ipc import ServiceUnavailableError
 from proxy.jobs import ProcessJobs
 from proxy.processes import ChildSpec
 from proxy.settings import Settings
-from proxy.warmup import RemoteSink, Shard, WarmupProgress, checkpoint_for, run_warmup
+from proxy.warmup import (
+    RemoteSink,
+    Shard,
+    WarmupProgress,
+    checkpoint_files,
+    checkpoint_for,
+    run_warmup,
+)
 from tests.conftest import make_settings, open_client, wait_ready
 from tests.serve_process import crash
 
@@ -137,6 +144,24 @@ def test_a_direct_warmup_on_a_data_dir_a_server_owns_stops_at_once_saying_so(
         assert time.monotonic() - started < 10
     assert result.exit_code == 1, result.output
     assert "a running server owns the data dir" in result.output and "--url" in result.output
+
+
+def test_a_file_whose_name_holds_glob_characters_restarts_and_settles_by_its_checkpoints(
+    env: Path, tmp_path: Path
+) -> None:
+    """Its checkpoints were looked up with its name as a glob pattern (``fleet[1].jsonl``
+    matches ``fleet1.jsonl``, not itself): ``--restart`` kept them and resumed, and a killed
+    job's rejects were cut to nothing instead of to its place."""
+    source = tmp_path / "fleet[1].jsonl"
+    fleet_file(source, 30)
+    for shards in range(1, 5):  # whatever the shard count of the run that left them
+        for index in range(shards):
+            checkpoint_for(env, source, Shard(index, shards)).save(20)
+    assert len(checkpoint_files(env, source)) == 10
+    result = CliRunner().invoke(cli, ["warmup", str(source), "--restart"])
+    assert result.exit_code == 0, result.output
+    assert "30 indexed" in result.output, result.output
+    assert checkpoint_files(env, source) == []
 
 
 def test_the_progress_total_counts_a_last_line_without_its_newline(tmp_path: Path) -> None:
