@@ -192,9 +192,8 @@ class ProcessJobs:
                 _write_json(self.dir / f"{job_id}.json", {**state, **failed})
                 raise
             lower_priority(pid)  # a no-op for a job of the starter, which runs there already
-            state = self._read(job_id)
-            if not state["pid"]:  # the job has not written its own state yet
-                _write_json(self.dir / f"{job_id}.json", {**state, "pid": pid})
+            # the job reads and writes its state only once this lock is let go (run_job)
+            _write_json(self.dir / f"{job_id}.json", {**state, "pid": pid})
 
     def _refuse_a_second(self, checkpoint: str) -> None:
         """``JobRunning`` where a live job has ``checkpoint``; the jobs that died (with their
@@ -653,9 +652,14 @@ async def run_job(run_dir: Path, job_id: str) -> None:
     settings = spec.load_settings()
     directory = jobs_dir(settings)
     state_file, cancel_file = directory / f"{job_id}.json", directory / f"{job_id}.cancel"
-    state = {**json.loads(state_file.read_text()), "pid": os.getpid()}
-    if state["state"] not in LIVE:  # the worker gave it up (its starter was silent)
-        return
+    with (directory / START_LOCK).open("a") as lock:
+        # the worker that starts it holds this until it has written the job's pid, or given
+        # it up (its starter silent): neither write is lost to this one, nor the reverse
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        state = {**json.loads(state_file.read_text()), "pid": os.getpid()}
+        if state["state"] not in LIVE:  # given up: the POST said so, and another may run
+            return
+        _write_json(state_file, state)
     progress = WarmupProgress(source=state["source"])  # as the worker showed it
     due = ProgressDue(PROGRESS_EVERY_S)
     stop = asyncio.Event()

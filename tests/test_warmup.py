@@ -775,6 +775,51 @@ def test_a_worker_starts_a_job_itself_only_when_the_job_starter_did_not(
             assert json.loads((state_dir / f"{silent}.json").read_text())["state"] == "failed"
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # its Popen
+def test_a_job_started_before_its_worker_gave_it_up_does_not_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A starter that forked the job and then fell silent: the job's process reads its state
+    only once the worker has let go of the start lock, so it finds the job given up (the
+    POST's 503) and does not run beside the one the POST sent again will start; before, it
+    read ``queued`` and ran, and its writes and the worker's undid each other's."""
+    settings = make_settings(tmp_path / "data")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    spec = ChildSpec(settings.model_dump(mode="json"), str(run_dir))
+    (run_dir / jobs.SPEC_FILE).write_text(json.dumps(asdict(spec)))
+    source = tmp_path / "fleet.jsonl"
+    fleet_file(source, 10)
+    state_dir = settings.data_dir / "warmup" / "jobs"
+    monkeypatch.setattr(jobs, "STARTER_REPLY_S", 4.0)  # the job's imports take 1-2 s
+    started: list[subprocess.Popen[bytes]] = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as starter:
+        starter.bind(str(run_dir / jobs.STARTER_SOCKET))
+        starter.listen()
+
+        def fork_then_fall_silent() -> None:
+            connection, _ = starter.accept()
+            with connection:
+                job_id = connection.recv(64).decode().strip()
+                command = [sys.executable, "-m", "proxy.jobs", str(run_dir), job_id]
+                started.append(subprocess.Popen(command))
+                connection.recv(1)  # until the worker gives up and closes
+
+        with ThreadPoolExecutor(1) as pool:
+            silent = pool.submit(fork_then_fall_silent)
+            with pytest.raises(ServiceUnavailableError, match="did not answer in time"):
+                asyncio.run(ProcessJobs(settings, run_dir).start(None, source))
+            silent.result(timeout=10)
+    (job,) = started
+    assert job.wait(timeout=120) == 0
+    (state_file,) = state_dir.glob("*.json")
+    state = json.loads(state_file.read_text())
+    assert (state["state"], state["pid"], state["rows"]) == ("failed", 0, 0)
+    assert "will not run" in state["error"]
+    # it never began: a job that runs leaves a rejects file, however soon it stops
+    assert not (settings.data_dir / "warmup" / f"{state_file.stem}.rejects.jsonl").exists()
+
+
 def test_a_jobs_state_file_written_by_two_processes_at_once_is_always_whole(
     tmp_path: Path,
 ) -> None:
