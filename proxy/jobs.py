@@ -221,14 +221,8 @@ class ProcessJobs:
         parts = rejects_parts(rejects)
         if not parts:
             return
-        kept: dict[str, int] = {}  # part -> its size at its checkpoint
         places = checkpoint_files(self.settings.data_dir, Path(state["path"]), state.get("upload"))
-        for place in places:
-            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-                saved = json.loads(place.read_text())["rejects"]
-                kept[saved["path"]] = int(saved["bytes"])
-        for part in parts:
-            os.truncate(part, min(kept.get(str(part.resolve()), 0), part.stat().st_size))
+        _cut_to_places(parts, places)
         _merge_rejects(rejects, parts, self.settings.max_rejects)
 
     def _from_starter(self, job_id: str) -> int | None:
@@ -487,21 +481,24 @@ def shard_main(spec: ChildSpec, options: JobOptions, shard: Shard, reports: Any)
 
 def combined(parts: list[WarmupProgress], into: WarmupProgress) -> WarmupProgress:
     """The job's progress from its shards': every shard reads every row (``rows``: the
-    slowest); what each did with its own rows adds up."""
+    slowest); what each did with its own rows adds up. Running while any shard runs (a job
+    read ``failed`` while its other shards ran on: the next POST settled their files under
+    them, and took their source for free); then failed if one failed, cancelled if one
+    stopped, else done."""
     into.rows = min(p.rows for p in parts)
     into.resumed_from = min(p.resumed_from for p in parts)
     for name in ("indexed", "embedded", "cached", "rejected"):
         setattr(into, name, sum(getattr(p, name) for p in parts))
     states = {p.state for p in parts}
     failed = [p for p in parts if p.state == "failed"]
-    if failed:
-        into.state, into.error = "failed", failed[0].error
-    elif states <= {"done", "cancelled"} and "cancelled" in states:
-        into.state = "cancelled"
-    elif states == {"done"}:
-        into.state = "done"
-    else:
+    if states & set(LIVE):
         into.state = "running"
+    elif failed:
+        into.state, into.error = "failed", failed[0].error
+    elif "cancelled" in states:
+        into.state = "cancelled"
+    else:
+        into.state = "done"
     if into.state != "running":
         into.finished = max((p.finished or time.time()) for p in parts)
     return into
@@ -534,8 +531,12 @@ async def run_sharded(
         )
     finally:
         if merge_stopped or progress.state in ("done", "failed"):
+            settings = spec.load_settings()
             parts = [rejects_part(options.rejects, i) for i in range(shards)]
-            _merge_rejects(Path(options.rejects), parts, spec.load_settings().max_rejects)
+            if progress.state != "done":  # the job that resumes it lists the rest again
+                places = checkpoint_files(settings.data_dir, Path(options.path), options.upload)
+                _cut_to_places([part for part in parts if part.exists()], places)
+            _merge_rejects(Path(options.rejects), parts, settings.max_rejects)
 
 
 async def _start_shards(
@@ -565,7 +566,9 @@ async def _start_shards(
             process.start()
     try:
         while len(finals) < shards:
-            if stopped():
+            # stopped, or a shard failed: the others keep their place and stop (they ran on
+            # to their end, the job failed once they were done)
+            if stopped() or any(parts[i].state == "failed" for i in finals):
                 for process in processes:
                     if process.pid and process.exitcode is None:
                         os.kill(process.pid, signal.SIGTERM)
@@ -603,6 +606,21 @@ def _rejects_part(options: JobOptions, shard: Shard) -> IO[str]:
 def rejects_part(rejects: str | Path, index: int) -> Path:
     """Reader ``index``'s part of a job's rejects file (``<rejects>.part<index>``)."""
     return Path(f"{rejects}.part{index}")
+
+
+def _cut_to_places(parts: list[Path], places: list[Path]) -> None:
+    """Each reader's rejects part cut back to its size at the place its checkpoint kept
+    (``places``; none kept: nothing, that reader's rows are read again), so that the job
+    that resumes from those places lists each rejected row once with this one. A reader
+    that stopped cut its own already; one that failed, or died, did not; one that finished
+    cleared its checkpoint, and its rows are read again."""
+    kept: dict[str, int] = {}  # part -> its size at its checkpoint
+    for place in places:
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            saved = json.loads(place.read_text())["rejects"]
+            kept[saved["path"]] = int(saved["bytes"])
+    for part in parts:
+        os.truncate(part, min(kept.get(str(part.resolve()), 0), part.stat().st_size))
 
 
 def _merge_rejects(rejects: Path, parts: list[Path], cap: int) -> None:

@@ -820,6 +820,75 @@ def test_a_job_started_before_its_worker_gave_it_up_does_not_run(
     assert not (settings.data_dir / "warmup" / f"{state_file.stem}.rejects.jsonl").exists()
 
 
+ONE_READER_FAILS = """
+import asyncio, json, sys, time
+from pathlib import Path
+from proxy import jobs
+from proxy.processes import ChildSpec
+from proxy.warmup import WarmupProgress, checkpoint_for
+from tests.conftest import make_settings
+
+async def run_shard(spec, options, shard, progress, on_progress, stopped):
+    place = checkpoint_for(spec.load_settings().data_dir, Path(options.path), shard)
+    with jobs.rejects_part(options.rejects, shard.index).open("a") as rejects:
+        for line in (1, 2, 9):  # line 9 past the place its checkpoint keeps
+            if line == 9:
+                rejects.flush()
+                place.save(5, rejects, rejects.tell())
+            rejects.write(json.dumps({"line": 10 * shard.index + line, "error": "bad"}) + "\\n")
+    progress.state = "running"
+    on_progress(progress)
+    if shard.index == 0:
+        raise RuntimeError("the engine is gone")
+    deadline = time.monotonic() + 20  # the others would read on for a long while
+    while not stopped() and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    progress.state = "cancelled" if stopped() else "done"
+    return progress
+
+jobs.run_shard = run_shard
+tmp = Path(sys.argv[1])
+settings = make_settings(tmp / "data")
+spec = ChildSpec(settings.model_dump(mode="json"), str(tmp))
+options = jobs.JobOptions(str(tmp / "fleet.jsonl"), 500, 5.0, str(tmp / "r.jsonl"), str(tmp / "c"))
+shown = []
+began = time.monotonic()
+progress = asyncio.run(jobs.run_sharded(
+    spec, options, WarmupProgress(source="fleet.jsonl"), 3, lambda p: shown.append(p.state),
+    start_method="fork",
+))
+print(json.dumps({"state": progress.state, "error": progress.error, "shown": shown,
+                  "seconds": time.monotonic() - began}))
+"""
+
+
+def test_one_reader_failing_stops_the_others_and_lists_each_rejected_row_once(
+    tmp_path: Path,
+) -> None:
+    """A job of three readers, one of which fails at once: the others stop at the place
+    they keep, and the job reads ``running`` until they have (it read ``failed`` while they
+    ran on to their end: the next POST took their source and settled their files under
+    them). Each reader's rejects are cut back to its checkpoint before they are merged: the
+    job that resumes from those places lists the rest (the failed reader's were listed in
+    both jobs' files)."""
+    (tmp_path / "fleet.jsonl").write_text("{}\n")
+    run = subprocess.run(  # a process of its own: its readers are forked, as a job's are
+        [sys.executable, "-c", ONE_READER_FAILS, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert run.returncode == 0, run.stderr
+    outcome = json.loads(run.stdout.strip().splitlines()[-1])
+    assert outcome["state"] == "failed" and "the engine is gone" in outcome["error"]
+    assert outcome["seconds"] < 10, outcome  # the others were stopped, not waited for
+    assert set(outcome["shown"][:-1]) == {"running"} and outcome["shown"][-1] == "failed"
+    listed = [json.loads(line)["line"] for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert listed == [1, 2, 11, 12, 21, 22]
+    assert not list(tmp_path.glob("r.jsonl.part*"))
+
+
 def test_a_jobs_state_file_written_by_two_processes_at_once_is_always_whole(
     tmp_path: Path,
 ) -> None:
