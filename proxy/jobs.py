@@ -132,6 +132,26 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
+def life_lock(directory: Path, job_id: str) -> Path:
+    """The file a job and its readers hold locked while any of them lives (``run_job``)."""
+    return directory / f"{job_id}.lock"
+
+
+def _held(path: Path) -> bool:
+    """Whether some process holds ``path`` locked (a job's ``life_lock``)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # none: the job ended, or has not begun (its pid says)
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # and with it this probe's own lock
+    return False
+
+
 def _alive(pid: int) -> bool:
     """Running: not gone, and not a zombie (dead, its parent not having waited for it yet)."""
     try:
@@ -209,6 +229,7 @@ class ProcessJobs:
                 raise JobRunning(file.stem)
             if progress.state == "failed":
                 with contextlib.suppress(OSError, ValueError):  # not this POST's to fail
+                    life_lock(self.dir, file.stem).unlink(missing_ok=True)
                     self._settle_rejects(file.stem, state)
                     if state.get("upload"):
                         Path(state["path"]).unlink(missing_ok=True)
@@ -276,12 +297,17 @@ class ProcessJobs:
 
     def _judged(self, job_id: str, state: dict[str, Any]) -> WarmupProgress:
         """The job's progress from its state file; a job it shows running whose process is
-        gone is ``failed`` ("server restarted", or, in this server's run, its process killed:
-        by the OOM killer, say), finished when it last wrote its state, which every read
-        agrees on."""
+        gone, and its readers too (its ``life_lock`` free: killed outright, its readers stop
+        after it, keeping their places), is ``failed`` ("server restarted", or, in this
+        server's run, its process killed: by the OOM killer, say), finished when it last
+        wrote its state, which every read agrees on."""
         progress = WarmupProgress(**{k: v for k, v in state.items() if k in _PROGRESS_FIELDS})
         ours = state.get("server") == self.server
-        if progress.state in LIVE and not (ours and state.get("pid") and _alive(state["pid"])):
+        if (
+            progress.state in LIVE
+            and not (ours and state.get("pid") and _alive(state["pid"]))
+            and not _held(life_lock(self.dir, job_id))  # its readers, stopping after it
+        ):
             progress.state = "failed"
             progress.error = (
                 "the job's process died (resumable: POST the job again)"
@@ -677,6 +703,10 @@ async def run_job(run_dir: Path, job_id: str) -> None:
         state = {**json.loads(state_file.read_text()), "pid": os.getpid()}
         if state["state"] not in LIVE:  # given up: the POST said so, and another may run
             return
+        # held by this process and every reader it forks (one open file), while any of them
+        # lives: a job killed outright is live until its readers have stopped (``_judged``)
+        life = life_lock(directory, job_id).open("a")
+        fcntl.flock(life, fcntl.LOCK_EX)
         _write_json(state_file, state)
     progress = WarmupProgress(source=state["source"])  # as the worker showed it
     due = ProgressDue(PROGRESS_EVERY_S)
@@ -719,7 +749,8 @@ async def run_job(run_dir: Path, job_id: str) -> None:
         progress.finished = time.time()
     finally:
         save(force=True)
-        _clean_up(cancel_file, path if state.get("upload") else None)
+        _clean_up(cancel_file, path if state.get("upload") else None, life_lock(directory, job_id))
+        life.close()
 
 
 def _clean_up(*paths: Path | None) -> None:

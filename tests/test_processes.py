@@ -34,6 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from features.readers import write_records
 from features.synthetic import generate_fleet
 from features.text import driver_text
+from proxy import jobs
 from proxy.jobs import NICE, NO_THREADS, STARTER_NAME, STARTER_SOCKET
 from tests.serve_process import (
     FleetcacheServer,
@@ -643,6 +644,7 @@ def test_an_upload_job_runs_once_at_a_time_and_resumes_after_its_process_is_kill
         while not (checkpoints := list(warmup.glob("sha256-*.checkpoint.json"))):
             assert time.monotonic() < deadline, "no checkpoint within 60 s"
             time.sleep(0.05)
+        assert jobs._held(jobs.life_lock(warmup / "jobs", job_id))  # its readers inherit it
         os.kill(json.loads((warmup / "jobs" / f"{job_id}.json").read_text())["pid"], 9)
         kept = json.loads(checkpoints[0].read_text())["rows"]
         with httpx.Client(base_url=server.url, timeout=30) as client:
@@ -656,6 +658,7 @@ def test_an_upload_job_runs_once_at_a_time_and_resumes_after_its_process_is_kill
         assert resumed["rows"] == 8_000
         assert server.stats()["fleet"]["drivers"] == 8_000 - len(bad)
         assert list(warmup.glob("upload-*")) + list(warmup.glob("sha256-*")) == []
+        assert list((warmup / "jobs").glob("w*.lock")) == []  # each job's, once it ended
     listed = [
         [
             json.loads(line)["line"]

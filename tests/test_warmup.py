@@ -1019,12 +1019,9 @@ def test_a_job_whose_process_is_gone_reads_failed_and_resumable(tmp_path: Path) 
     assert progress.finished is not None
 
 
-def test_a_job_whose_process_died_in_this_servers_run_says_so_and_ends_once(
-    tmp_path: Path,
-) -> None:
-    """A job's process killed while its server runs (the OOM killer) read "server restarted",
-    which had not happened, with a ``finished`` that moved at every read; and a DELETE of
-    a job that had ended left a ``.cancel`` file that nothing removed."""
+def job_of_a_dead_process(tmp_path: Path, server: str) -> tuple[Settings, Path, Path]:
+    """Job ``w1-abc`` of run ``server``, running by its state file, its process gone; the
+    settings, the jobs dir and the run dir of a server run named ``fleetcache-now``."""
     settings = make_settings(tmp_path / "data")
     jobs_dir = settings.data_dir / "warmup" / "jobs"
     jobs_dir.mkdir(parents=True)
@@ -1033,8 +1030,56 @@ def test_a_job_whose_process_died_in_this_servers_run_says_so_and_ends_once(
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     state = {**asdict(WarmupProgress(source="fleet.jsonl", state="running", rows=500))}
-    state |= {"pid": dead.pid, "server": run_dir.name, "path": "x", "chunk_size": 500}
-    (jobs_dir / "w1-abc.json").write_text(json.dumps(state))
+    state |= {"pid": dead.pid, "server": server, "path": "x", "chunk_size": 500}
+    (jobs_dir / "w1-abc.json").write_text(json.dumps({**state, "checkpoint": "cp"}))
+    return settings, jobs_dir, run_dir
+
+
+def test_a_job_killed_outright_is_live_until_its_readers_have_stopped(tmp_path: Path) -> None:
+    """Its readers outlive it by the time they take to stop and keep their places (they
+    are sent SIGTERM when it dies): a job judged by its own pid alone read ``failed`` at
+    once, and the next POST settled its readers' rejects under them (their later lines
+    went to files it had unlinked) and started a second job on their checkpoints. The job
+    and the readers it forks hold one lock (``life_lock``) while any of them lives."""
+    settings, jobs_dir, run_dir = job_of_a_dead_process(tmp_path, "another run")
+    part = settings.data_dir / "warmup" / "w1-abc.rejects.jsonl.part1"
+    part.write_text('{"line": 7, "error": "bad"}\n')
+    reader = subprocess.Popen(  # a reader still stopping: it holds the job's lock
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, sys, time; f = open(sys.argv[1], 'a'); "
+            "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
+            str(jobs.life_lock(jobs_dir, "w1-abc")),
+        ],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert reader.stdout is not None and reader.stdout.readline() == b"held\n"
+        processes = ProcessJobs(settings, run_dir)
+        live = processes.get("w1-abc")
+        assert live is not None and live.state == "running"
+        with pytest.raises(warmup.JobRunning):
+            processes._refuse_a_second("cp")
+        assert part.exists()  # not settled under it
+    finally:
+        reader.kill()
+        reader.communicate()
+    ended = ProcessJobs(settings, run_dir).get("w1-abc")
+    assert ended is not None and (ended.state, ended.error) == ("failed", "server restarted")
+    ProcessJobs(settings, run_dir)._refuse_a_second("another source's checkpoint")
+    assert not part.exists() and not jobs.life_lock(jobs_dir, "w1-abc").exists()
+    merged = (settings.data_dir / "warmup" / "w1-abc.rejects.jsonl").read_text()
+    assert merged == ""  # no checkpoint kept its place: its rows are read again
+
+
+def test_a_job_whose_process_died_in_this_servers_run_says_so_and_ends_once(
+    tmp_path: Path,
+) -> None:
+    """A job's process killed while its server runs (the OOM killer) read "server restarted",
+    which had not happened, with a ``finished`` that moved at every read; and a DELETE of
+    a job that had ended left a ``.cancel`` file that nothing removed."""
+    settings, jobs_dir, run_dir = job_of_a_dead_process(tmp_path, "fleetcache-now")
     jobs = ProcessJobs(settings, run_dir)
     first = jobs.get("w1-abc")
     assert first is not None and first.state == "failed"
