@@ -101,6 +101,7 @@ NO_THREADS = {
 STARTER_NAME = "fleetcache-jobs"  # the starter's and its jobs' process name (``ps``, ``top``)
 STARTER_SOCKET = "job-starter.sock"  # in the run dir: a worker sends a job id, gets its pid
 STARTER_REPLY_S = 10.0  # a fork takes milliseconds; silence this long means it never will
+STARTER_PASSED_S = 60.0  # after a silence, a worker starts jobs itself this long
 START_LOCK = ".start.lock"  # in the jobs dir: held by the worker starting a job
 
 
@@ -173,6 +174,7 @@ class ProcessJobs:
         self.run_dir = run_dir
         self.server = run_dir.name  # which server run a job file belongs to
         self.dir = jobs_dir(settings)
+        self._starter_passed_until = 0.0  # monotonic: the starter was silent, not asked now
 
     async def start(
         self, services: Any, path: Path, *, chunk_size: int = 500, upload: str | None = None
@@ -204,8 +206,12 @@ class ProcessJobs:
             self._refuse_a_second(state["checkpoint"])
             _write_json(self.dir / f"{job_id}.json", state)
             try:
-                pid = self._from_starter(job_id) or self._from_scratch(job_id)
+                asked = time.monotonic() >= self._starter_passed_until
+                pid = (self._from_starter(job_id) if asked else None) or self._from_scratch(job_id)
             except ServiceUnavailableError as exc:
+                # the start lock is held while the starter is waited for: the next starts of
+                # this worker do not wait for it again a while
+                self._starter_passed_until = time.monotonic() + STARTER_PASSED_S
                 # the starter took the id and may fork the job yet: the job reads this and
                 # does not run (run_job); the next POST starts another
                 failed = {"state": "failed", "error": str(exc), "finished": time.time()}

@@ -776,6 +776,33 @@ def test_a_worker_starts_a_job_itself_only_when_the_job_starter_did_not(
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # its Popen
+def test_after_a_silent_starter_a_worker_starts_its_next_jobs_itself_a_while(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A starter that took a job and fell silent held that POST ``STARTER_REPLY_S`` with
+    the start lock, and every POST after it as long again, one after another, for as long
+    as it hung: for ``STARTER_PASSED_S`` after a silence the worker starts jobs itself."""
+    settings = make_settings(tmp_path / "data")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    source = tmp_path / "fleet.jsonl"
+    fleet_file(source, 10)
+    monkeypatch.setattr(jobs, "STARTER_REPLY_S", 0.5)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as starter:
+        starter.bind(str(run_dir / jobs.STARTER_SOCKET))
+        starter.listen()  # never accepts: each worker's connection waits in its backlog
+        worker = ProcessJobs(settings, run_dir)
+        with pytest.raises(ServiceUnavailableError, match="did not answer in time"):
+            asyncio.run(worker.start(None, source))
+        began = time.monotonic()
+        job_id = asyncio.run(worker.start(None, source))
+        assert time.monotonic() - began < 0.4  # not asked
+    state = json.loads((settings.data_dir / "warmup" / "jobs" / f"{job_id}.json").read_text())
+    assert state["pid"] > 0
+    wait_reaped(state["pid"])  # it fails at once: this run dir has no server's spec
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # its Popen
 def test_a_job_started_before_its_worker_gave_it_up_does_not_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
