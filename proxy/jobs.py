@@ -203,8 +203,13 @@ class ProcessJobs:
         start looks."""
         with (self.dir / START_LOCK).open("a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-            self._refuse_a_second(state["checkpoint"])
-            _write_json(self.dir / f"{job_id}.json", state)
+            try:
+                self._refuse_a_second(state["checkpoint"])
+                _write_json(self.dir / f"{job_id}.json", state)
+            except BaseException:  # no state names this POST's upload: nothing would remove it
+                if state["upload"]:
+                    Path(state["path"]).unlink(missing_ok=True)
+                raise
             try:
                 asked = time.monotonic() >= self._starter_passed_until
                 pid = (self._from_starter(job_id) if asked else None) or self._from_scratch(job_id)
@@ -224,7 +229,7 @@ class ProcessJobs:
     def _refuse_a_second(self, checkpoint: str) -> None:
         """``JobRunning`` where a live job has ``checkpoint``; the jobs that died (with their
         server, or killed) settled on the way, as their end would have: their rejects merged,
-        their uploads removed."""
+        their uploads, locks and ``.cancel`` files removed."""
         for file in self.dir.glob("*.json"):
             try:
                 state = self._read(file.stem)
@@ -236,6 +241,7 @@ class ProcessJobs:
             if progress.state == "failed":
                 with contextlib.suppress(OSError, ValueError):  # not this POST's to fail
                     life_lock(self.dir, file.stem).unlink(missing_ok=True)
+                    (self.dir / f"{file.stem}.cancel").unlink(missing_ok=True)  # a DELETE's
                     self._settle_rejects(file.stem, state)
                     if state.get("upload"):
                         Path(state["path"]).unlink(missing_ok=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import gc
 import json
@@ -775,6 +776,27 @@ def test_a_worker_starts_a_job_itself_only_when_the_job_starter_did_not(
             assert json.loads((state_dir / f"{silent}.json").read_text())["state"] == "failed"
 
 
+def test_an_upload_whose_job_could_not_be_written_is_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing names the upload of a POST that failed before its job's state file was
+    written (a full disk, right after a large body): it stayed in the data dir for good."""
+    settings = make_settings(tmp_path / "data")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    upload = settings.data_dir / "warmup" / "upload-1.jsonl"
+    upload.parent.mkdir(parents=True)
+    fleet_file(upload, 10)
+
+    def full_disk(path: Path, data: dict[str, object]) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(jobs, "_write_json", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        asyncio.run(ProcessJobs(settings, run_dir).start(None, upload, upload="ab" * 32))
+    assert not upload.exists()
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # its Popen
 def test_after_a_silent_starter_a_worker_starts_its_next_jobs_itself_a_while(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -1094,8 +1116,10 @@ def test_a_job_killed_outright_is_live_until_its_readers_have_stopped(tmp_path: 
         reader.communicate()
     ended = ProcessJobs(settings, run_dir).get("w1-abc")
     assert ended is not None and (ended.state, ended.error) == ("failed", "server restarted")
+    (jobs_dir / "w1-abc.cancel").touch()  # a DELETE that its end never took away
     ProcessJobs(settings, run_dir)._refuse_a_second("another source's checkpoint")
     assert not part.exists() and not jobs.life_lock(jobs_dir, "w1-abc").exists()
+    assert not (jobs_dir / "w1-abc.cancel").exists()
     merged = (settings.data_dir / "warmup" / "w1-abc.rejects.jsonl").read_text()
     assert merged == ""  # no checkpoint kept its place: its rows are read again
 
