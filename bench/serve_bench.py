@@ -315,8 +315,8 @@ def measure_layout(
                 before = server.metrics()
             with profiled(args, server, out / f"profile-misses-{workers}.txt", run == 0):
                 # (a worker's /v1/stats under the load can take seconds: asked before it)
-                niced = lower_roles(server, args.nice) if args.nice and run % 2 else {}
                 pids = role_pids(server)
+                niced = lower_roles(server, args.nice, pids) if args.nice and run % 2 else {}
                 load = wrk.start("misses.lua", url, c, d, FMT="base64", SALT=f"r{run}-")
                 # from a moment into the run: a batch's wait counts from the answer before
                 time.sleep(min(0.5, d / 4))
@@ -861,18 +861,20 @@ class RunQueueWait:
         self.ran_per_s = (ran - ran0) / 1e6 / seconds
 
 
-def lower_roles(server: Server, spec: str) -> dict[int, int]:
+def lower_roles(
+    server: Server, spec: str, pids: dict[str, list[int]] | None = None
+) -> dict[int, int]:
     """``--lower engine,index=10`` (a nice value) or ``=idle`` (``SCHED_IDLE``): every thread
     of those processes of the server from now on (threads they start later inherit it);
     ``job``: the job starter, so every job and reader it forks; ``writer``: the engines'
     LMDB writer children (and their partitions' writers); ``rest``: every process of the
     server but its workers and the supervisor. An experiment: what of the lookups' p99
     beside a job the priority of each process accounts for. Returns each thread's nice
-    before (``restore_nice``)."""
+    before (``restore_nice``). ``pids``: ``role_pids(server)``, when known."""
     from proxy.jobs import STARTER_NAME
 
     roles, _, level = spec.partition("=")
-    pids = role_pids(server)
+    pids = dict(pids or role_pids(server))
     pids["job"] = [p for p in tree(server.process.pid) if proc_name(p) == STARTER_NAME]
     before: dict[int, int] = {}
     for role in roles.split(","):
@@ -899,11 +901,12 @@ def role_pids(server: Server) -> dict[str, list[int]]:
     """The server's processes by role (``lower_roles``): ``engine``, ``device`` (its device
     child), ``writer``, ``index``, ``workers``, ``rest`` (all but the workers and the
     supervisor)."""
-    processes = server.stats()["processes"]
+    stats = server.stats()
+    processes = stats["processes"]
     everyone = tree(server.process.pid)
     workers = [w["pid"] for w in processes["workers"]]
     engines = [e["pid"] for e in processes["engines"]]
-    device = (server.stats()["inference"].get("device_process") or {}).get("pid")
+    device = (stats["inference"].get("device_process") or {}).get("pid")
     return {
         "engine": engines,
         "device": [] if device is None else [device],

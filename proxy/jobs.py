@@ -66,6 +66,7 @@ from proxy.warmup import (
     WarmupProgress,
     checkpoint_files,
     checkpoint_for,
+    rejects_part,
     rejects_parts,
     shown_source,
 )
@@ -573,7 +574,7 @@ async def run_sharded(
             parts = [rejects_part(options.rejects, i) for i in range(shards)]
             if progress.state != "done":  # the job that resumes it lists the rest again
                 places = checkpoint_files(settings.data_dir, Path(options.path), options.upload)
-                _cut_to_places([part for part in parts if part.exists()], places)
+                _cut_to_places(parts, places)
             _merge_rejects(Path(options.rejects), parts, settings.max_rejects)
 
 
@@ -641,24 +642,20 @@ def _rejects_part(options: JobOptions, shard: Shard) -> IO[str]:
     return rejects_part(options.rejects, shard.index).open("a")
 
 
-def rejects_part(rejects: str | Path, index: int) -> Path:
-    """Reader ``index``'s part of a job's rejects file (``<rejects>.part<index>``)."""
-    return Path(f"{rejects}.part{index}")
-
-
 def _cut_to_places(parts: list[Path], places: list[Path]) -> None:
-    """Each reader's rejects part cut back to its size at the place its checkpoint kept
-    (``places``; none kept: nothing, that reader's rows are read again), so that the job
-    that resumes from those places lists each rejected row once with this one. A reader
-    that stopped cut its own already; one that failed, or died, did not; one that finished
-    cleared its checkpoint, and its rows are read again."""
+    """Each reader's rejects part (of ``parts``, those there) cut back to its size at the
+    place its checkpoint kept (``places``; none kept: nothing, that reader's rows are read
+    again), so that the job that resumes from those places lists each rejected row once
+    with this one. A reader that stopped cut its own already; one that failed, or died, did
+    not; one that finished cleared its checkpoint, and its rows are read again."""
     kept: dict[str, int] = {}  # part -> its size at its checkpoint
     for place in places:
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             saved = json.loads(place.read_text())["rejects"]
             kept[saved["path"]] = int(saved["bytes"])
     for part in parts:
-        os.truncate(part, min(kept.get(str(part.resolve()), 0), part.stat().st_size))
+        with contextlib.suppress(FileNotFoundError):  # that reader rejected nothing
+            os.truncate(part, min(kept.get(str(part.resolve()), 0), part.stat().st_size))
 
 
 def _merge_rejects(rejects: Path, parts: list[Path], cap: int) -> None:

@@ -4,6 +4,7 @@ paths and no internal exception text). The full text stays in the log and ``/v1/
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -18,6 +19,7 @@ def cut_paths(text: str) -> str:
     return _PATH.sub(lambda m: Path(m.group()).name, text)
 
 
+@functools.cache  # the engine's one model, asked by every answer
 def public_model(model: str) -> str:
     """The model as a dispatch client's answer names it: a model directory by its name, not
     where it lies on the server (``/v1/stats``, for operators, keeps the path); the packaged

@@ -229,8 +229,13 @@ def checkpoint_files(data_dir: Path, source: Path, sha256: str | None = None) ->
     return sorted((data_dir / "warmup").glob(f"{stem}*.checkpoint.json"))
 
 
+def rejects_part(rejects: str | Path, index: int) -> Path:
+    """Reader ``index``'s part of a job's rejects file (``<rejects>.part<index>``)."""
+    return Path(f"{rejects}.part{index}")
+
+
 def rejects_parts(rejects: Path) -> list[Path]:
-    """The readers' parts of a rejects file (``<rejects>.part<index>``) that are there."""
+    """The readers' parts of a rejects file (``rejects_part``) that are there."""
     return sorted(rejects.parent.glob(f"{glob.escape(rejects.name)}.part*"))
 
 
