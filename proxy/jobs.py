@@ -615,10 +615,12 @@ async def _start_shards(
                 index, state, final = await asyncio.to_thread(reports.get, True, 0.25)
             except queue.Empty:
                 dead = [i for i, p in enumerate(processes) if p.exitcode not in (None, 0)]
+                dead = [i for i in dead if i not in finals]  # killed before it could say
                 for i in dead:
-                    if i not in finals:  # killed before it could say
-                        parts[i].state, parts[i].error = "failed", f"shard {i} died"
-                        finals.add(i)
+                    parts[i].state, parts[i].error = "failed", f"shard {i} died"
+                    finals.add(i)
+                if dead:
+                    on_progress(combined(parts, progress))
                 continue
             parts[index] = WarmupProgress(**state)
             if final:
