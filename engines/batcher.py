@@ -77,6 +77,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -271,8 +272,18 @@ class Batcher:
         if self._closed:
             raise EngineError("batcher closed")
         if self._worker is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-            self._tokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+            self._executor = ThreadPoolExecutor(
+                max_workers=1,
+                thread_name_prefix="engine",
+                initializer=name_thread,
+                initargs=("batch-engine",),
+            )
+            self._tokenizer = ThreadPoolExecutor(
+                max_workers=1,
+                thread_name_prefix="tokenizer",
+                initializer=name_thread,
+                initargs=("batch-tokenize",),
+            )
             self._worker = asyncio.create_task(self._run(), name="batcher-worker")
 
     async def aclose(self) -> None:
@@ -787,6 +798,13 @@ class Batcher:
                 request = queue.popleft()
                 self._drop(request)
                 self._fail([request], error)
+
+
+def name_thread(name: str) -> None:
+    """The calling thread's name for the OS (``top -H``, ``/proc/<pid>/task/<tid>/comm``: at
+    most 15 characters), where Python's own name stays inside the interpreter."""
+    with contextlib.suppress(OSError):  # not Linux
+        Path(f"/proc/self/task/{threading.get_native_id()}/comm").write_text(name[:15])
 
 
 def as_engine_error(exc: Exception) -> EngineError:

@@ -80,10 +80,11 @@ from engines.base import (
     EngineUnavailableError,
     Vectors,
 )
-from engines.batcher import budget_groups
+from engines.batcher import budget_groups, name_thread
 from engines.devices import runs_on_cuda
 from engines.registry import create_engine
 from engines.tokenization import FastTokenizer, IntArray, TokenizedTexts, bucket_lengths
+from proxy.cores import pin_threads
 from proxy.gpu_health import visible_gpus
 
 log = logging.getLogger("fleetcache.engine")
@@ -135,8 +136,11 @@ class DeviceProcessEngine(Engine):
         max_batch_tokens: int | None = None,
         timeout_s: float = BATCH_TIMEOUT_S,
         start_timeout_s: float = START_TIMEOUT_S,
+        cpus: Sequence[int] = (),
     ) -> None:
+        """``cpus``: where each child runs (empty: where this process does)."""
         self.kind, self.options = kind, dict(options)
+        self.cpus = tuple(cpus)
         self.info = create_engine(kind, **options).info  # not loaded: its identity only
         self.log_level = log_level
         self.max_batch_tokens = max_batch_tokens  # the batcher's: it cuts a batch over it
@@ -207,7 +211,7 @@ class DeviceProcessEngine(Engine):
             socket.setsockopt(zmq.LINGER, 0)
             socket.bind(name + suffix)
         context = multiprocessing.get_context("spawn")
-        args = (self.kind, self.options, name, self.log_level)
+        args = (self.kind, self.options, name, self.log_level, self.cpus)
         process = context.Process(
             target=device_main, args=args, name="fleetcache-device", daemon=True
         )
@@ -425,13 +429,15 @@ def _stop(process: BaseProcess, *sockets: zmq.Socket[bytes]) -> None:
 # -- the child ---------------------------------------------------------------------------------
 
 
-def device_main(kind: str, options: dict[str, Any], name: str, log_level: str) -> None:
+def device_main(
+    kind: str, options: dict[str, Any], name: str, log_level: str, cpus: Sequence[int] = ()
+) -> None:
     """The device child: load and warm the engine, say so, then run batches in the order
     they come until the engine process goes (PDEATHSIG) or stops it. A thread receives and
     tokenizes (pads, pins) each batch while this one runs the one before on the device."""
     from proxy.processes import become_child
 
-    become_child("device", log_level)
+    become_child("device", log_level)  # loads on every CPU of its parent; then on ``cpus``
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     incoming, back = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
     for socket, suffix in ((incoming, "-to"), (back, "-back")):
@@ -444,6 +450,7 @@ def device_main(kind: str, options: dict[str, Any], name: str, log_level: str) -
     except Exception as exc:
         back.send(msgspec.msgpack.encode(_error(exc)))
         raise
+    pin_threads(cpus)  # its threads so far (the engine's among them), and those it starts
     fast = engine.tokenizer()
     ready = {
         "info": asdict(engine.info),
@@ -461,6 +468,7 @@ def device_main(kind: str, options: dict[str, Any], name: str, log_level: str) -
     back.send(msgspec.msgpack.encode(ready))
 
     def receive() -> None:
+        name_thread("device-pad")
         while True:
             frames = incoming.recv_multipart(copy=False)
             came = time.perf_counter()

@@ -37,7 +37,7 @@ from cache.flight import Flown, Since, SingleFlight, Vectors
 from cache.stores import TieredByteStore
 from cache.writer import VectorWriter
 from engines.base import BatchError, Engine, EngineInfo
-from engines.batcher import Batcher, EngineHealth, deadline_after
+from engines.batcher import Batcher, EngineHealth, deadline_after, name_thread
 from engines.fallback import FallbackEngine
 from engines.registry import create_engine
 from engines.tokenization import FastTokenizer, TokenizedTexts
@@ -97,17 +97,18 @@ def engine_options(
     return options
 
 
-def build_engine(settings: Settings) -> FallbackEngine:
+def build_engine(settings: Settings, device_cpus: Sequence[int] = ()) -> FallbackEngine:
     """The configured engine, watched: unhealthy on a failed batch, a batch p99 over
     ``max_batch_p99_ms`` or a hard fault of its GPU, then misses go to the fallback (same
     fingerprint only) or get 503; degraded by a soft reading of its GPU (``GpuCheck`` every
-    ``gpu_health_interval_s``, on a CUDA device only)."""
+    ``gpu_health_interval_s``, on a CUDA device only). ``device_cpus``: where its device
+    child runs (``proxy.cores.CpuPlan``; empty: where this process does)."""
     options = engine_options(settings)
     if use_device_process(settings.device_process, options["device"], settings.engine):
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
         budget = settings.max_batch_tokens
         primary: Engine = DeviceProcessEngine(
-            settings.engine, options, log_level=level, max_batch_tokens=budget
+            settings.engine, options, log_level=level, max_batch_tokens=budget, cpus=device_cpus
         )
     else:
         primary = create_engine(settings.engine, **options)
@@ -326,11 +327,13 @@ async def open_engine_host(
     engine: Engine | None = None,
     store: TieredByteStore | None = None,
     stats: BoardCacheStats | None = None,
+    writer_cpus: Sequence[int] = (),
 ) -> AsyncIterator[EngineHost]:
     """Load and warm the engine (off the event loop), start the batcher, and write computed
     rows to the shared tier of ``store`` (built from the settings when not given; an
     in-process server passes its own, since LMDB may not be opened twice by one process).
-    ``stats``: the lookup counters, when this process's cache shares them (one process)."""
+    ``stats``: the lookup counters, when this process's cache shares them (one process).
+    ``writer_cpus``: where an LMDB writer child runs (empty: where this process does)."""
     async with contextlib.AsyncExitStack() as stack:
         if engine is None:
             engine = build_engine(settings)
@@ -348,7 +351,7 @@ async def open_engine_host(
         )
         owned = store is None
         if store is None:
-            store = await stack.enter_async_context(shared_tier(settings))
+            store = await stack.enter_async_context(shared_tier(settings, writer_cpus))
         writer = None
         if store.store is not None:  # through the tiers: a degraded store is skipped a while
             writer = VectorWriter(store, namespace=cache_namespace(info))
@@ -419,15 +422,23 @@ STORE_WRITE_NICE = 10
 
 
 @contextlib.asynccontextmanager
-async def shared_tier(settings: Settings) -> AsyncIterator[TieredByteStore]:
+async def shared_tier(
+    settings: Settings, writer_cpus: Sequence[int] = ()
+) -> AsyncIterator[TieredByteStore]:
     """The shared tier alone (no memory tier): what the engine process writes rows to; LMDB's
-    writes through a writer child (``proxy.lmdb_writer``) where ``lmdb_writer`` says so, else
-    committed by a thread of this process below its others (``STORE_WRITE_NICE``)."""
+    writes through a writer child (``proxy.lmdb_writer``, on ``writer_cpus``) where
+    ``lmdb_writer`` says so, else committed by a thread of this process below its others
+    (``STORE_WRITE_NICE``)."""
     from cache import stores
 
     map_size = int(settings.lmdb_map_size_gb * 2**30)
-    committer = ThreadPoolExecutor(  # its one thread below the engine's others
-        1, "store-write", initializer=lambda: lower(threading.get_native_id(), STORE_WRITE_NICE)
+
+    def below_the_others() -> None:
+        name_thread("store-write")
+        lower(threading.get_native_id(), STORE_WRITE_NICE)
+
+    committer = ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix="store-write", initializer=below_the_others
     )
     if settings.store == "lmdb" and lmdb_writer(settings) == "process":
         settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -439,6 +450,7 @@ async def shared_tier(settings: Settings) -> AsyncIterator[TieredByteStore]:
             partitions=lmdb_partitions(settings),
             log_level=level,
             nice=STORE_WRITE_NICE,
+            cpus=writer_cpus,
         )
         tier = stores.TieredByteStore(stores.MemoryByteStore(0), await writer.start())
     else:

@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from proxy.board import Boards, owner_alive
-from proxy.cores import lower, usable_cores
+from proxy.cores import lower, pin_threads, usable_cores
 from proxy.ipc import ServiceUnavailableError
 from proxy.processes import ENGINE_GC_THRESHOLDS, ChildSpec, frozen_heap
 from proxy.public import public_error
@@ -704,6 +704,9 @@ class ServerWatch:
 async def run_job(run_dir: Path, job_id: str) -> None:
     """The job process of a server's warm-up job (its state file is its answer)."""
     spec = ChildSpec(**json.loads((run_dir / SPEC_FILE).read_text()))
+    # every CPU of the server, whoever started it: its starter (so there already) or a
+    # worker (on the workers' CPUs); its readers, forked below, are counted and run there
+    pin_threads(spec.cpus.everything())
     settings = spec.load_settings()
     directory = jobs_dir(settings)
     state_file, cancel_file = directory / f"{job_id}.json", directory / f"{job_id}.cancel"
@@ -779,6 +782,8 @@ def starter_main(spec: ChildSpec) -> None:
     ``python -m proxy.jobs`` do."""
     from proxy.processes import become_child, name_process
 
+    # every CPU of the server, the engine's own too (CpuPlan): its jobs, born below the
+    # workers' and the engine's priority, take what the others leave
     become_child("job", "warning")
     name_process(STARTER_NAME)
     lower_priority(os.getpid())  # its jobs are born below the workers

@@ -90,15 +90,18 @@ class LmdbWriterStore(LmdbByteStore):
         partitions: int = 1,
         log_level: str = "info",
         nice: int = 0,
+        cpus: Sequence[int] = (),
     ):
         """``nice``: the child (and the partitions' writers it starts, which inherit it) that
-        many nice values below the thread that starts it."""
+        many nice values below the thread that starts it; ``cpus``: where they run (empty:
+        where this process does)."""
         # the child opens the directory as this made it (``LmdbByteStore``: its layout file)
         super().__init__(path, map_size, partitions=partitions, **fsync_options(fsync_every_s))
         self._map_size = map_size
         self._fsync_every_s = fsync_every_s
         self._log_level = log_level
         self._nice = nice
+        self._cpus = tuple(cpus)
         self._address = f"ipc://@fleetcache-writer-{os.getpid()}-{secrets.token_hex(4)}"
         self._process: BaseProcess | None = None
         self._client: RpcClient | None = None
@@ -119,7 +122,10 @@ class LmdbWriterStore(LmdbByteStore):
 
     def _spawn(self) -> None:
         context = multiprocessing.get_context("spawn")
-        args = (str(self.path), self._map_size, self._fsync_every_s, self._address, self._log_level)
+        args = (
+            *(str(self.path), self._map_size, self._fsync_every_s, self._address),
+            *(self._log_level, self._cpus),
+        )
         self._process = context.Process(
             target=writer_main, args=args, name="fleetcache-writer", daemon=True
         )
@@ -222,11 +228,16 @@ class LmdbWriterStore(LmdbByteStore):
 
 
 def writer_main(
-    path: str, map_size: int, fsync_every_s: float, address: str, log_level: str
+    path: str,
+    map_size: int,
+    fsync_every_s: float,
+    address: str,
+    log_level: str,
+    cpus: Sequence[int] = (),
 ) -> None:
     from proxy.processes import become_child
 
-    become_child("writer", log_level)  # dies with the engine process (or its writer child)
+    become_child("writer", log_level, cpus)  # dies with the engine process (or its writer child)
     asyncio.run(_writer(path, map_size, fsync_every_s, address, log_level))
 
 

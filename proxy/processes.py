@@ -27,7 +27,7 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ from engines.base import EngineInfo, EngineUnavailableError
 from features.synthetic import generate_fleet
 from indexes.snapshot import replace_durably
 from proxy.board import Board
+from proxy.cores import NO_PLACEMENT, CpuPlan, pin_threads
 from proxy.engine_host import (
     build_engine,
     engine_handlers,
@@ -60,10 +61,12 @@ class ChildSpec:
     run_dir: str
     log_level: str = "info"
     devices: tuple[str, ...] = ()  # one engine process each (default: FLEETCACHE_DEVICE's)
+    cpus: CpuPlan = NO_PLACEMENT  # where each process runs (proxy.cores.cpu_plan)
 
     def __post_init__(self) -> None:
         devices = tuple(self.devices) or self.load_settings().devices
         object.__setattr__(self, "devices", devices)
+        object.__setattr__(self, "cpus", CpuPlan.of(self.cpus))  # read back from JSON too
 
     def load_settings(self) -> Settings:
         return Settings.model_validate(self.settings)
@@ -93,8 +96,10 @@ def setup_logging(level: str, role: str) -> None:
     )
 
 
-def become_child(role: str, level: str) -> None:
-    """Leave the terminal's process group; die with the supervisor."""
+def become_child(role: str, level: str, cpus: Sequence[int] = ()) -> None:
+    """Leave the terminal's process group; die with the supervisor; run on ``cpus`` (empty:
+    where the parent ran)."""
+    pin_threads(cpus)
     setup_logging(level, role)
     with contextlib.suppress(OSError):
         os.setpgrp()
@@ -180,7 +185,7 @@ def frozen_heap(thresholds: tuple[int, int, int] | None = None) -> Iterator[None
 
 
 def engine_main(spec: ChildSpec, engine: int = 0) -> None:
-    become_child("engine", spec.log_level)
+    become_child("engine", spec.log_level)  # on its own CPUs once loaded (``_engine``)
     asyncio.run(_engine(spec, engine))
 
 
@@ -189,14 +194,18 @@ async def _engine(spec: ChildSpec, index: int) -> None:
     stop = _stop_event()
     loaded = False
     try:
-        engine = build_engine(settings)
+        engine = build_engine(settings, device_cpus=spec.cpus.device(index))
         info_file = run_dir / engine_file(index)
         tmp = info_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(asdict(engine.info)))
         tmp.replace(info_file)  # the supervisor starts the others once it reads this
         board = Board("engine", run_dir / "boards", engine=index)
-        async with open_engine_host(settings, board, engine) as host:
+        writer_cpus = spec.cpus.shared
+        async with open_engine_host(settings, board, engine, writer_cpus=writer_cpus) as host:
             loaded = True
+            # Loaded on every CPU of the server; from now on on its own (a writer child, made
+            # above, on the shared ones): sized by the server's cores, not by its own two.
+            pin_threads(spec.cpus.engine(index))
             server = RpcServer(address(run_dir, engine_name(index)), {})
             server.handlers.update(engine_handlers(host, server))
             log.info("engine process serving at %s", server.address)
@@ -215,7 +224,7 @@ async def _engine(spec: ChildSpec, index: int) -> None:
 
 
 def index_main(spec: ChildSpec) -> None:
-    become_child("index", spec.log_level)
+    become_child("index", spec.log_level, spec.cpus.shared)
     asyncio.run(_index(spec))
 
 
@@ -271,7 +280,7 @@ def worker_main(spec: ChildSpec, host: str, port: int, serve_at_once: bool) -> N
     from proxy.app import create_app
     from proxy.http_head import BoundedHeadProtocol
 
-    become_child("worker", spec.log_level)
+    become_child("worker", spec.log_level, spec.cpus.shared)
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # uvicorn installs its own handlers
     server: uvicorn.Server | None = None  # made below, from the app that reads it
     cluster = replace(
@@ -329,7 +338,7 @@ async def load_demo_fleet(services: Services, settings: Settings) -> None:
 
 
 def demo_main(spec: ChildSpec) -> None:
-    become_child("job", spec.log_level)
+    become_child("job", spec.log_level, spec.cpus.shared)
     asyncio.run(_demo(spec))
 
 

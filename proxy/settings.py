@@ -16,6 +16,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engines.devices import RUNS_ON, unusable
+from proxy.cores import check_placement
 
 DEMO_CHUNK = 250  # drivers per call while the demo fleet loads (proxy.processes)
 EngineKind = Literal["torch", "onnxruntime", "tensorrt", "fake"]
@@ -53,6 +54,13 @@ class Settings(BaseSettings):
         description="the engine's device work (model, padding, CUDA graphs) in a child process "
         "of the engine process, off its event loop's GIL (auto: on a CUDA device; "
         "proxy.device_process)",
+    )
+    cpu_placement: str = Field(
+        "auto",
+        description="CPUs of the engine processes and their device children: auto (engines "
+        "driving a GPU from a device child, no fallback engine, 8 CPUs left after 3 for each: "
+        "2 CPUs for each engine process and 1 for its child, the rest for the others; "
+        "proxy.cores.cpu_plan) | off | ENGINE/DEVICE (CPU lists, e.g. 0-1/2)",
     )
     fake_delay_ms: float = Field(
         0.0, ge=0.0, le=60_000.0, description="engine=fake: each forward sleeps this long (tests)"
@@ -215,6 +223,10 @@ class Settings(BaseSettings):
             raise ValueError("FLEETCACHE_FAKE_* settings need FLEETCACHE_ENGINE=fake")
         if self.engine == "fake" and self.model_path:
             raise ValueError("FLEETCACHE_MODEL_PATH has no meaning with FLEETCACHE_ENGINE=fake")
+        try:
+            check_placement(self.cpu_placement)
+        except ValueError as exc:
+            raise ValueError(f"FLEETCACHE_CPU_PLACEMENT: {exc}") from None
         check_devices(self.devices, self.engine)
         if self.fallback_engine is not None:
             check_devices(

@@ -50,7 +50,8 @@ from typing import Any
 
 from engines.devices import runs_on_cuda
 from proxy.board import INDEX_SLOT, Board, engine_slot
-from proxy.cores import usable_cores
+from proxy.cores import CpuPlan, cpu_plan, usable_cores
+from proxy.device_process import use_device_process
 from proxy.gpu_health import visible_gpus
 from proxy.jobs import NO_THREADS, SPEC_FILE, starter_main, stop_jobs
 from proxy.processes import (
@@ -98,6 +99,29 @@ def engine_devices(settings: Settings, gpus: Callable[[], int] = visible_gpus) -
     if count * per_gpu <= 1:
         return ("auto",)
     return tuple(f"cuda:{i}" for i in range(count) for _ in range(per_gpu))
+
+
+def server_cpu_plan(
+    settings: Settings,
+    devices: Sequence[str],
+    gpus: Callable[[], int] = visible_gpus,
+    cpus: Sequence[int] | None = None,
+) -> CpuPlan:
+    """Where each process runs (``proxy.cores.cpu_plan``): ``auto`` places only engines
+    that drive a GPU from a device child, and none with a fallback engine (it computes on
+    the engine process's own threads: not on two CPUs); ``ENGINE/DEVICE`` places every
+    engine and its device child, if it has one, as told."""
+    children = [
+        use_device_process(settings.device_process, d, settings.engine, gpus) for d in devices
+    ]
+    if settings.cpu_placement == "auto":
+        on_gpu = [
+            d.startswith("cuda") or (d == "auto" and runs_on_cuda(settings.engine) and gpus() > 0)
+            for d in devices
+        ]
+        if settings.fallback_engine is not None or not all(on_gpu):
+            children = []
+    return cpu_plan(settings.cpu_placement, children, cpus)
 
 
 def check_identities(run_dir: Path, devices: Sequence[str]) -> str | None:
@@ -172,8 +196,15 @@ class Supervisor:
     def _run(self, run_dir: Path) -> int:
         board = Board("supervisor", run_dir / "boards")
         devices = engine_devices(self.settings)
+        settings = self.settings
+        try:
+            cpus = server_cpu_plan(settings, devices)
+        except ValueError as exc:  # CPUs named that this server may not use
+            log.error("%s", exc)
+            return 2
+        log.info("%s", cpus.describe())
         spec = ChildSpec(
-            self.settings.model_dump(mode="json"), str(run_dir), self.log_level, devices
+            settings.model_dump(mode="json"), str(run_dir), self.log_level, devices, cpus
         )
         (run_dir / SPEC_FILE).write_text(json.dumps(asdict(spec)))  # for warm-up jobs
         check_port(self.host, self.port)  # fail here, clearly, before anything starts

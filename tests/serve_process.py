@@ -147,3 +147,15 @@ def descendants(pid: int) -> list[int]:
             found.append(child)
             todo.append(child)
     return found
+
+
+def cpus_of(pid: int) -> set[str]:
+    """The CPU lists every thread of ``pid`` may run on (``Cpus_allowed_list``; a thread
+    that ends while read is left out)."""
+    found = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith("Cpus_allowed_list:"):
+                    found.add(line.split(":", 1)[1].strip())
+    return found

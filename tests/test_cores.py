@@ -5,12 +5,15 @@ the cgroup files are laid out here as Linux shows them, under a temporary root."
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 
 import pytest
 
 from proxy import cores, engine_host, jobs, supervisor
 from proxy.cores import cgroup_cpus, usable_cores
+from proxy.processes import ChildSpec
 from proxy.settings import Settings
 
 V2_MOUNT = "30 23 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate"
@@ -128,3 +131,105 @@ def test_a_process_count_below_one_is_refused_at_start(
         Settings()
     monkeypatch.setenv(name, "2")
     assert getattr(Settings(), name.removeprefix("FLEETCACHE_").lower()) == 2
+
+
+# -- where each process of a server runs (cpu_plan) -------------------------------------------
+
+
+def test_auto_placement_gives_a_gpu_engine_and_its_device_child_cpus_of_their_own() -> None:
+    """12 CPUs, one engine driving its GPU from a child: the engine process on the first two,
+    the child on the third, everything else on the other nine."""
+    plan = cores.cpu_plan("auto", [True], cpus=range(12), cores=12)
+    assert plan.engine(0) == (0, 1) and plan.device(0) == (2,)
+    assert plan.shared == tuple(range(3, 12))
+    # two engines on 16 CPUs: three each, ten left
+    two = cores.cpu_plan("auto", [True, True], cpus=range(16), cores=16)
+    assert (two.engine(1), two.device(1), two.shared) == ((3, 4), (5,), tuple(range(6, 16)))
+    assert "engine 0 on 0-1, its device child on 2" in two.describe()
+
+
+@pytest.mark.parametrize(
+    ("children", "cpus", "quota"),
+    [
+        ([True], 10, None),  # 7 left: fewer than MIN_SHARED_CPUS
+        ([True], 64, 8),  # a cgroup quota of 8 CPUs on a 64-CPU host
+        ([True], 64, 32),  # a quota of 32: other containers may share the first CPUs
+        ([True] * 4, 16, None),  # four engines would leave 4
+        ([False], 64, None),  # a CPU engine computes on the engine process's own threads
+        ([True, False], 64, None),
+        ([], 64, None),
+    ],
+)
+def test_auto_placement_leaves_the_kernel_to_it_when_it_would_cramp_a_process(
+    children: list[bool], cpus: int, quota: int | None
+) -> None:
+    plan = cores.cpu_plan("auto", children, cpus=range(cpus), cores=quota or cpus)
+    assert plan == cores.NO_PLACEMENT and plan.engine(0) == plan.device(0) == plan.shared == ()
+    assert plan.describe() == "CPU placement: none (the kernel's)"
+
+
+def test_explicit_placement_and_off() -> None:
+    plan = cores.cpu_plan("4-5/6", [True, True], cpus=[0, 1, 2, 3, 4, 5, 6, 7])
+    assert plan.engine(0) == plan.engine(1) == (4, 5) and plan.device(1) == (6,)
+    assert plan.shared == (0, 1, 2, 3, 7)
+    assert cores.cpu_plan("4-5/6", [False], cpus=range(8)).device(0) == ()  # no child: none
+    assert cores.cpu_plan("off", [True], cpus=range(64), cores=64) == cores.NO_PLACEMENT
+    for outside in ("0/9", "0-6/7"):  # not this server's CPUs, or none left for the rest
+        with pytest.raises(ValueError, match="leave some to the other processes"):
+            cores.cpu_plan(outside, [True], cpus=range(8))
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        ("0-1", "auto, off or ENGINE_CPUS/DEVICE_CPUS"),
+        ("0-1/2/3", "auto, off or ENGINE_CPUS/DEVICE_CPUS"),
+        ("on", "auto, off or ENGINE_CPUS/DEVICE_CPUS"),
+        ("a/1", "'a' is not a CPU or a range of CPUs"),
+        ("3-1/4", "'3-1' is not a CPU or a range of CPUs"),
+        ("0/0-99999999", "'0-99999999' is not a CPU"),  # not a range to build in memory
+    ],
+)
+def test_a_placement_that_is_not_one_is_refused_naming_the_setting(value: str, said: str) -> None:
+    with pytest.raises(ValueError, match="FLEETCACHE_CPU_PLACEMENT") as refused:
+        Settings(cpu_placement=value)
+    assert said in str(refused.value)
+
+
+def test_a_plan_names_every_cpu_of_the_server_and_comes_back_from_json() -> None:
+    """Warm-up jobs run on ``everything()``; a job reads the plan back from the run dir's
+    spec file (JSON lists)."""
+    plan = cores.cpu_plan("auto", [True], cpus=range(12), cores=12)
+    assert plan.everything() == tuple(range(12))
+    assert cores.CpuPlan.of(json.loads(json.dumps(dataclasses.asdict(plan)))) == plan
+    spec = ChildSpec(Settings().model_dump(mode="json"), "/tmp/run", cpus=plan)
+    assert ChildSpec(**json.loads(json.dumps(dataclasses.asdict(spec)))).cpus == plan
+
+
+def test_the_server_places_only_engines_driving_a_gpu_from_a_child() -> None:
+    """``auto``: torch on a GPU (its device child) is placed; a device child on the CPU, a
+    CPU engine, or a fallback engine (on the engine process's threads) leave it to the
+    kernel; the explicit form places what it is told."""
+    twelve = range(12)
+    gpu = supervisor.server_cpu_plan(Settings(engine="torch"), ("cuda:0",), lambda: 1, twelve)
+    assert (gpu.engine(0), gpu.device(0)) == ((0, 1), (2,))
+    default = supervisor.server_cpu_plan(Settings(engine="torch"), ("auto",), lambda: 1, twelve)
+    assert default == gpu
+    for settings, device in [
+        (Settings(engine="fake", device_process="on"), "cpu"),  # a child on the CPU
+        (Settings(engine="torch"), "cpu"),  # no child
+        (Settings(engine="torch"), "auto"),  # no GPU visible (below)
+        (Settings(engine="torch", fallback_engine="fake"), "cuda:0"),
+        (Settings(engine="torch", cpu_placement="off"), "cuda:0"),
+    ]:
+        gpus = 0 if device == "auto" else 1
+        placed = supervisor.server_cpu_plan(settings, (device,), lambda n=gpus: n, twelve)
+        assert placed == cores.NO_PLACEMENT, settings
+    told = Settings(engine="fake", device_process="on", cpu_placement="0/1")
+    assert supervisor.server_cpu_plan(told, ("cpu",), lambda: 0, twelve).device(0) == (1,)
+
+
+def test_cpu_lists_read_and_written_as_taskset_writes_them() -> None:
+    assert cores.cpu_list("0-2,5, 7-8") == (0, 1, 2, 5, 7, 8)
+    assert cores.cpu_text((0, 1, 2, 5, 7, 8)) == "0-2,5,7-8"
+    assert cores.cpu_text((3,)) == "3"

@@ -5,6 +5,7 @@ the batch it held while another is started."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -22,11 +23,15 @@ from engines.base import Batch, EngineError, EngineUnavailableError, Vectors
 from engines.batcher import Batcher
 from engines.fake import FakeEngine
 from engines.tokenization import TokenizedTexts
+from features.readers import write_records
+from features.synthetic import generate_fleet
+from proxy import cores
 from proxy.device_process import DeviceProcessEngine, use_device_process
 from proxy.engine_host import build_engine
+from proxy.jobs import STARTER_NAME
 from proxy.settings import Settings
-from tests.serve_process import FleetcacheServer, descendants
-from tests.test_processes import embed
+from tests.serve_process import FleetcacheServer, cpus_of, descendants
+from tests.test_processes import embed, job_ended, start_job
 from tests.test_tokenization import as_sent, real_fleet
 
 TEXTS = [f"driver {i} | van | lisbon" for i in range(300)]
@@ -344,3 +349,65 @@ def test_the_server_serves_on_while_its_device_child_is_replaced(tmp_path: Path)
             r'^fleetcache_device_child_seconds_total\{phase="forward"\} ', metrics, re.M
         )
         assert "fleetcache_device_child_starved_batches_total" in metrics
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to place apart")
+def test_each_process_of_the_server_runs_on_the_cpus_its_placement_gives_it(
+    tmp_path: Path,
+) -> None:
+    """``FLEETCACHE_CPU_PLACEMENT=ENGINE/DEVICE``: every thread of the engine process on the
+    first list once it serves, its device child on the second (a replacement child too), the
+    workers, the index owner and the LMDB writer children on the rest; the job starter and
+    a warm-up job with its readers on every CPU. (On two CPUs the engine and its child share
+    one: three or more place them apart.)"""
+    every = sorted(os.sched_getaffinity(0))
+    own, child_own = str(every[0]), str(every[1] if len(every) >= 3 else every[0])
+    rest = cores.cpu_text(tuple(c for c in every if str(c) not in (own, child_own)))
+    settings = {
+        "device_process": "on",
+        "lmdb_writer": "process",
+        "cpu_placement": f"{own}/{child_own}",
+    }
+    fleet = tmp_path / "fleet.jsonl"
+    write_records(generate_fleet(30_000, seed=9), fleet)
+    with FleetcacheServer(tmp_path / "server", workers=2, **settings) as server:
+        assert embed(server.url, ["placed"]).status_code == 200
+        processes = server.pids()
+        engine = processes["engine"]["pid"]
+        child = server.stats()["inference"]["device_process"]["pid"]
+        assert (cpus_of(engine), cpus_of(child)) == ({own}, {child_own})
+        writers = [pid for pid in descendants(engine) if pid != child]
+        assert writers  # the writer child and its partitions' writers
+        others = [w["pid"] for w in processes["workers"]] + [processes["index"]["pid"]]
+        for pid in [*writers, *others]:
+            assert cpus_of(pid) == {rest}, (pid, comm(pid))
+        starter = [p for p in descendants(server.process.pid) if comm(p) == STARTER_NAME]
+        assert starter and cpus_of(starter[0]) == {cores.cpu_text(tuple(every))}
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            job_id = start_job(client, fleet)
+            state_file = tmp_path / "server" / "data" / "warmup" / "jobs" / f"{job_id}.json"
+            wait_until(lambda: "pid" in json.loads(state_file.read_text()))
+            job = json.loads(state_file.read_text())["pid"]
+            assert cpus_of(job) == {cores.cpu_text(tuple(every))}
+            assert job_ended(client, job_id, 120)["state"] == "done"
+        os.kill(child, signal.SIGKILL)
+
+        def replaced() -> bool:  # a batch finds it gone (503 until the next one serves)
+            embed(server.url, [f"after {time.monotonic()}"])
+            shown = server.stats()["inference"]["device_process"]
+            return bool(shown["ok"]) and shown["pid"] not in (None, child)
+
+        wait_until(replaced)
+        assert cpus_of(server.stats()["inference"]["device_process"]["pid"]) == {child_own}
+
+
+def comm(pid: int) -> str:
+    return Path(f"/proc/{pid}/comm").read_text().strip()
+
+
+def test_a_placement_naming_cpus_the_server_may_not_use_stops_its_start(tmp_path: Path) -> None:
+    server = FleetcacheServer(tmp_path, device_process="on", cpu_placement="0/4095")
+    with pytest.raises(AssertionError, match="fleetcache serve exited"):
+        server.start(timeout_s=60)
+    assert server.process is not None and server.process.wait(timeout=30) == 2
+    assert "FLEETCACHE_CPU_PLACEMENT=0/4095: the CPUs named must be among" in server.log.read_text()

@@ -35,10 +35,12 @@ from features.readers import write_records
 from features.synthetic import generate_fleet
 from features.text import driver_text
 from proxy import jobs
+from proxy.cores import cpu_text
 from proxy.jobs import NICE, NO_THREADS, STARTER_NAME, STARTER_SOCKET
 from tests.serve_process import (
     FleetcacheServer,
     alive,
+    cpus_of,
     descendants,
     free_port,
     parent_of,
@@ -536,12 +538,17 @@ def assert_ranked_beside(job: int, worker: int) -> None:
 def test_a_job_is_forked_by_the_job_starter_and_started_without_it(tmp_path: Path) -> None:
     """The job starter imported what a job runs when the server started, so a job forked
     from it starts in milliseconds, in a process group of its own, below the workers; killed,
-    it is restarted, and meanwhile a worker starts the job itself; its jobs outlive it."""
+    it is restarted, and meanwhile a worker starts the job itself; its jobs outlive it. With
+    the engine on a CPU of its own (``FLEETCACHE_CPU_PLACEMENT``), a job runs on every CPU
+    of the server, the one started by a worker (on the others) too."""
     fleet, other = tmp_path / "fleet.jsonl", tmp_path / "reversed.jsonl"
     write_records(generate_fleet(2_000, seed=11), fleet)
     write_records(reversed(generate_fleet(2_000, seed=11)), other)
     jobs_dir = tmp_path / "server" / "data" / "warmup" / "jobs"
-    with FleetcacheServer(tmp_path / "server", workers=1, fake_delay_ms=300) as server:
+    every = sorted(os.sched_getaffinity(0))
+    placed = {"cpu_placement": f"{every[0]}/{every[0]}"} if len(every) > 1 else {}
+    everywhere = {cpu_text(tuple(every))}
+    with FleetcacheServer(tmp_path / "server", workers=1, fake_delay_ms=300, **placed) as server:
         deadline = time.monotonic() + 60
         while (starter := job_starter(server)) is None:
             assert time.monotonic() < deadline, "no job starter listening within 60 s"
@@ -569,6 +576,11 @@ def test_a_job_is_forked_by_the_job_starter_and_started_without_it(tmp_path: Pat
                 os.kill(server.process.pid, signal.SIGCONT)
             by_worker = json.loads((jobs_dir / f"{second}.json").read_text())["pid"]
             assert parent_of(by_worker) == worker
+            while cpus_of(by_worker) != everywhere:  # once it has read the server's plan
+                assert time.monotonic() < deadline + 30, cpus_of(by_worker)
+                time.sleep(0.05)
+            if placed:
+                assert cpus_of(worker) != everywhere
             assert os.getpriority(os.PRIO_PROCESS, by_worker) == expected
             assert os.getpgid(by_worker) == by_worker
             assert_ranked_beside(by_worker, worker)
