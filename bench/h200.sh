@@ -37,8 +37,8 @@ case "${1:-}" in
         OUT=$root/$round-$label bash "$0" serve "$@" "${code[@]}" > /dev/null 2>&1 || true
         rm -f "$root/$round-$label"/serve/*.jsonl
         echo "== round $round, $label ($(date -u +%H:%M:%S) UTC)"
-        grep -E "batcher alone|^\| [0-9]+ workers \| [0-9.]+ \||child over" \
-          "$root/$round-$label/serve_bench.txt" | cut -c1-600 || echo "(no result)"
+        grep -E "batcher alone|^\| [0-9]+ workers \| [0-9.]+ \||child over|threads:" \
+          "$root/$round-$label/serve_bench.txt" | cut -c1-1600 || echo "(no result)"
       done
     done ;;
   recommend)

@@ -40,7 +40,9 @@ the same app in one process, ``create_app`` under uvicorn, as v1 ran) on a fresh
 - each miss run prints its own new texts/s and p99 beside the device child's account, and
   how long the engine process's, the device child's and the workers' threads waited for a
   CPU; ``--nice engine,device=-10`` (any of ``lower_roles``' roles) sets that priority for
-  the even miss runs only, so that one server gives runs with and without it in turns.
+  the even miss runs only, so that one server gives runs with and without it in turns;
+  ``--pin engine=0 --pin device=1 --pin workers,rest=2-11`` does the same with CPU
+  affinity (each role's threads on those CPUs, back on ``--server-cpus`` after the run).
 
 ``--code DIR`` serves another checkout (a before/after comparison in one device call).
 Each load phase runs ``--runs`` times: the table shows the median of the runs' figures and
@@ -317,22 +319,27 @@ def measure_layout(
                 # (a worker's /v1/stats under the load can take seconds: asked before it)
                 pids = role_pids(server)
                 niced = lower_roles(server, args.nice, pids) if args.nice and run % 2 else {}
+                pinned = pin_roles(args.pin, pids) if args.pin and run % 2 else {}
                 load = wrk.start("misses.lua", url, c, d, FMT="base64", SALT=f"r{run}-")
                 # from a moment into the run: a batch's wait counts from the answer before
                 time.sleep(min(0.5, d / 4))
                 child = (time.monotonic(), server.stats()["inference"]["device_process"])
                 waits = {role: RunQueueWait(pids[role]) for role in ("engine", "device", "workers")}
+                tally = ThreadTally({role: pids[role] for role in ("engine", "device")})
                 with contextlib.ExitStack() as stack:
-                    for wait in waits.values():
+                    for wait in [*waits.values(), tally]:
                         stack.enter_context(wait)
                     runs["misses"].append(wrk.result(load))
                 restore_nice(niced)
+                restore_pins(pinned)
             after = (time.monotonic(), server.stats()["inference"]["device_process"])
             children_runs.append(device_child(child, after))
             if children_runs[-1] is not None:
                 miss = runs["misses"][-1]
                 children_runs[-1]["misses"] = (miss["ok_s"] * 32, miss["p99_ms"])
                 children_runs[-1]["nice"] = args.nice if niced else ""
+                children_runs[-1]["pinned"] = " ".join(args.pin) if pinned else ""
+                children_runs[-1]["threads"] = tally.line()
                 children_runs[-1]["run_queue"] = {
                     role: (wait.per_s, wait.ran_per_s) for role, wait in waits.items()
                 }
@@ -814,13 +821,9 @@ def measure_warmup(args: argparse.Namespace, server: Server, wrk: Wrk, out: Path
 
 def cpu_list(spec: str) -> set[int]:
     """A taskset cpu list (``0-11,14``) as a set; empty: every CPU this process may use."""
-    if not spec:
-        return set(os.sched_getaffinity(0))
-    cpus: set[int] = set()
-    for part in spec.split(","):
-        first, _, last = part.partition("-")
-        cpus.update(range(int(first), int(last or first) + 1))
-    return cpus
+    from proxy.cores import cpu_list as listed
+
+    return set(listed(spec)) if spec else set(os.sched_getaffinity(0))
 
 
 def pin(server: Server, cpus: set[int]) -> None:
@@ -861,6 +864,65 @@ class RunQueueWait:
         self.ran_per_s = (ran - ran0) / 1e6 / seconds
 
 
+class ThreadTally:
+    """Per thread name of the processes ``pids`` while the block runs: ms a second run and
+    waited for a CPU (``schedstat``), and voluntary switches (sleeps), involuntary ones
+    (preemptions) and migrations to another CPU a second (``/proc/<tid>/sched``): whether a
+    thread's CPU a text swells by waking and moving, not by its own work."""
+
+    FIELDS = ("nr_voluntary_switches", "nr_involuntary_switches", "se.nr_migrations")
+
+    def __init__(self, pids: dict[str, list[int]]) -> None:
+        self.pids = pids  # role -> its processes
+
+    def _read(self) -> dict[str, list[float]]:
+        found: dict[str, list[float]] = {}
+        for role, pid in ((r, p) for r, pids in self.pids.items() for p in pids):
+            with contextlib.suppress(OSError):
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    with contextlib.suppress(OSError, ValueError):
+                        ran, waited = map(int, (task / "schedstat").read_text().split()[:2])
+                        sched = dict(
+                            (k.strip(), v.strip())
+                            for k, _, v in (
+                                ln.partition(":")
+                                for ln in (task / "sched").read_text().splitlines()
+                            )
+                        )
+                        comm = (task / "comm").read_text().strip()
+                        name = f"{role} {'main' if task.name == str(pid) else comm}"
+                        row = [ran / 1e6, waited / 1e6, *(float(sched[f]) for f in self.FIELDS)]
+                        total = found.setdefault(name, [0.0] * len(row))
+                        for i, value in enumerate(row):
+                            total[i] += value
+        return found
+
+    def __enter__(self) -> ThreadTally:
+        self.started, self.before = time.monotonic(), self._read()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        seconds = max(time.monotonic() - self.started, 1e-9)
+        after = self._read()
+        self.per_s = {
+            name: [
+                (a - b) / seconds
+                for a, b in zip(row, self.before.get(name, [0.0] * 5), strict=True)
+            ]
+            for name, row in after.items()
+        }
+
+    def line(self) -> str:
+        """The busiest threads first: ``name ran/waited ms, sleeps/preempted/moved a s``."""
+        rows = sorted(self.per_s.items(), key=lambda item: -item[1][0])
+        return "; ".join(
+            f"{name} ran {r[0]:.0f} waited {r[1]:.0f} ms/s, slept {r[2]:,.0f} preempted "
+            f"{r[3]:,.0f} moved {r[4]:,.0f} /s"
+            for name, r in rows
+            if r[0] >= 5
+        )
+
+
 def lower_roles(
     server: Server, spec: str, pids: dict[str, list[int]] | None = None
 ) -> dict[int, int]:
@@ -888,6 +950,31 @@ def lower_roles(
                 else:
                     os.setpriority(os.PRIO_PROCESS, tid, int(level))
     return before
+
+
+def pin_roles(specs: list[str], pids: dict[str, list[int]]) -> dict[int, set[int]]:
+    """``--pin engine,device=0-1``: every thread of those roles' processes (``role_pids``)
+    on those CPUs (threads they start later inherit it); each spec in turn, so a later one
+    moves a process an earlier one named. Returns each thread's CPUs before
+    (``restore_pins``: the server's own placement, not ``--server-cpus``)."""
+    before: dict[int, set[int]] = {}
+    for spec in specs:
+        roles, _, cpus = spec.partition("=")
+        for role in roles.split(","):
+            for pid in pids[role]:
+                with contextlib.suppress(OSError):  # gone meanwhile
+                    for task in Path(f"/proc/{pid}/task").iterdir():
+                        with contextlib.suppress(OSError):
+                            tid = int(task.name)
+                            before.setdefault(tid, os.sched_getaffinity(tid))
+                            os.sched_setaffinity(tid, cpu_list(cpus))
+    return before
+
+
+def restore_pins(before: dict[int, set[int]]) -> None:
+    for tid, cpus in before.items():
+        with contextlib.suppress(OSError):  # gone meanwhile
+            os.sched_setaffinity(tid, cpus)
 
 
 def restore_nice(before: dict[int, int]) -> None:
@@ -1206,6 +1293,8 @@ def device_line(device: dict[str, Any]) -> str:
             for role, (wait, ran) in device.get("run_queue", {}).items()
         )
         + (f" (with --nice {device['nice']})" if device.get("nice") else "")
+        + (f" (with --pin {device['pinned']})" if device.get("pinned") else "")
+        + (f"\n    engine and device threads: {device['threads']}" if device.get("threads") else "")
     )
 
 
@@ -1291,6 +1380,13 @@ def main() -> None:
         default="",
         help="ROLE,...=NICE (lower_roles' roles, workers and device too): set for the even "
         "miss runs only (the 2nd, 4th, ...), so that one server gives both in turns",
+    )
+    parser.add_argument(
+        "--pin",
+        action="append",
+        default=[],
+        metavar="ROLE,...=CPUS",
+        help="CPU affinity of those roles' processes for the even miss runs only (repeat)",
     )
     parser.add_argument("--profile-gil", action="store_true", help="only threads holding the GIL")
     parser.add_argument(
