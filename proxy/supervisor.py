@@ -194,7 +194,6 @@ class Supervisor:
         self._stopping = True
 
     def _run(self, run_dir: Path) -> int:
-        board = Board("supervisor", run_dir / "boards")
         devices = engine_devices(self.settings)
         settings = self.settings
         try:
@@ -203,6 +202,7 @@ class Supervisor:
             log.error("%s", exc)
             return 2
         log.info("%s", cpus.describe())
+        board = Board("supervisor", run_dir / "boards")
         spec = ChildSpec(
             settings.model_dump(mode="json"), str(run_dir), self.log_level, devices, cpus
         )
