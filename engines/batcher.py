@@ -802,7 +802,8 @@ class Batcher:
 
 def name_thread(name: str) -> None:
     """The calling thread's name for the OS (``top -H``, ``/proc/<pid>/task/<tid>/comm``: at
-    most 15 characters), where Python's own name stays inside the interpreter."""
+    most 15 characters), where Python's own name stays inside the interpreter; called on the
+    main thread, the process's (``ps``), which the processes it forks inherit."""
     with contextlib.suppress(OSError):  # not Linux
         Path(f"/proc/self/task/{threading.get_native_id()}/comm").write_text(name[:15])
 

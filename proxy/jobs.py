@@ -780,12 +780,13 @@ def starter_main(spec: ChildSpec) -> None:
     It runs no thread and no event loop, so that a fork of it is safe; its jobs reap
     themselves (``SIGCHLD`` ignored) and outlive it, in sessions of their own, as those of
     ``python -m proxy.jobs`` do."""
-    from proxy.processes import become_child, name_process
+    from engines.batcher import name_thread
+    from proxy.processes import become_child
 
     # every CPU of the server, the engine's own too (CpuPlan): its jobs, born below the
     # workers' and the engine's priority, take what the others leave
     become_child("job", "warning")
-    name_process(STARTER_NAME)
+    name_thread(STARTER_NAME)  # its main thread: the process, as ``ps`` and its forks show it
     lower_priority(os.getpid())  # its jobs are born below the workers
     import_shard_code()
     run_dir = Path(spec.run_dir)

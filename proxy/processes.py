@@ -49,7 +49,6 @@ from proxy.services import Cluster, Services, open_worker_services
 from proxy.settings import DEMO_CHUNK, Settings
 
 log = logging.getLogger("fleetcache.proxy")
-_PR_SET_NAME = 15
 _PR_SET_PDEATHSIG = 1
 
 
@@ -105,12 +104,6 @@ def become_child(role: str, level: str, cpus: Sequence[int] = ()) -> None:
         os.setpgrp()
     _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def name_process(name: str) -> None:
-    """What ``ps``, ``top`` and /proc/<pid>/comm call this process (15 bytes at most) and the
-    processes it forks."""
-    _prctl(_PR_SET_NAME, name.encode()[:15])
 
 
 def _prctl(option: int, value: int | bytes) -> None:

@@ -115,10 +115,8 @@ def server_cpu_plan(
         use_device_process(settings.device_process, d, settings.engine, gpus) for d in devices
     ]
     if settings.cpu_placement == "auto":
-        on_gpu = [
-            d.startswith("cuda") or (d == "auto" and runs_on_cuda(settings.engine) and gpus() > 0)
-            for d in devices
-        ]
+        # a device child on a GPU: the device where ``auto`` would give it one
+        on_gpu = [use_device_process("auto", d, settings.engine, gpus) for d in devices]
         if settings.fallback_engine is not None or not all(on_gpu):
             children = []
     return cpu_plan(settings.cpu_placement, children, cpus)
