@@ -42,7 +42,7 @@ the same app in one process, ``create_app`` under uvicorn, as v1 ran) on a fresh
   CPU; ``--nice engine,device=-10`` (any of ``lower_roles``' roles) sets that priority for
   the even miss runs only, so that one server gives runs with and without it in turns;
   ``--pin engine=0 --pin device=1 --pin workers,rest=2-11`` does the same with CPU
-  affinity (each role's threads on those CPUs, back on ``--server-cpus`` after the run).
+  affinity (each role's threads on those CPUs, back where they were after the run).
 
 ``--code DIR`` serves another checkout (a before/after comparison in one device call).
 Each load phase runs ``--runs`` times: the table shows the median of the runs' figures and
@@ -826,14 +826,21 @@ def cpu_list(spec: str) -> set[int]:
     return set(listed(spec)) if spec else set(os.sched_getaffinity(0))
 
 
+def threads(pids: list[int]) -> list[int]:
+    """Every thread id of the processes ``pids`` (those gone meanwhile left out)."""
+    found: list[int] = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            found += [int(task.name) for task in Path(f"/proc/{pid}/task").iterdir()]
+    return found
+
+
 def pin(server: Server, cpus: set[int]) -> None:
     """Every thread of every process of the server onto ``cpus`` (processes and threads
     started later inherit their parent's)."""
-    for pid in tree(server.process.pid):
+    for tid in threads(tree(server.process.pid)):
         with contextlib.suppress(OSError):  # gone meanwhile
-            for task in Path(f"/proc/{pid}/task").iterdir():
-                with contextlib.suppress(OSError):
-                    os.sched_setaffinity(int(task.name), cpus)
+            os.sched_setaffinity(tid, cpus)
 
 
 class RunQueueWait:
@@ -907,7 +914,7 @@ class ThreadTally:
         self.per_s = {
             name: [
                 (a - b) / seconds
-                for a, b in zip(row, self.before.get(name, [0.0] * 5), strict=True)
+                for a, b in zip(row, self.before.get(name, [0.0] * len(row)), strict=True)
             ]
             for name, row in after.items()
         }
@@ -941,14 +948,12 @@ def lower_roles(
     before: dict[int, int] = {}
     for role in roles.split(","):
         print(f"lowered to {level}: {role}, {len(pids[role])} processes", flush=True)
-        for pid in pids[role]:
-            for task in Path(f"/proc/{pid}/task").iterdir():
-                tid = int(task.name)
-                before[tid] = os.getpriority(os.PRIO_PROCESS, tid)
-                if level == "idle":
-                    os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-                else:
-                    os.setpriority(os.PRIO_PROCESS, tid, int(level))
+        for tid in threads(pids[role]):
+            before[tid] = os.getpriority(os.PRIO_PROCESS, tid)
+            if level == "idle":
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            else:
+                os.setpriority(os.PRIO_PROCESS, tid, int(level))
     return before
 
 
@@ -959,15 +964,12 @@ def pin_roles(specs: list[str], pids: dict[str, list[int]]) -> dict[int, set[int
     (``restore_pins``: the server's own placement, not ``--server-cpus``)."""
     before: dict[int, set[int]] = {}
     for spec in specs:
-        roles, _, cpus = spec.partition("=")
-        for role in roles.split(","):
-            for pid in pids[role]:
-                with contextlib.suppress(OSError):  # gone meanwhile
-                    for task in Path(f"/proc/{pid}/task").iterdir():
-                        with contextlib.suppress(OSError):
-                            tid = int(task.name)
-                            before.setdefault(tid, os.sched_getaffinity(tid))
-                            os.sched_setaffinity(tid, cpu_list(cpus))
+        roles, _, listed = spec.partition("=")
+        cpus = cpu_list(listed)
+        for tid in threads([pid for role in roles.split(",") for pid in pids[role]]):
+            with contextlib.suppress(OSError):  # gone meanwhile
+                before.setdefault(tid, os.sched_getaffinity(tid))
+                os.sched_setaffinity(tid, cpus)
     return before
 
 
