@@ -101,6 +101,14 @@ logger = logging.getLogger(__name__)
 
 LANES = ("dispatch", "warmup")  # priority order: a batch takes dispatch items first
 AHEAD = 2  # batches handed over that the engine has not started on yet, at most
+# Warm-up texts of like length go together (``Batcher._take_shortest``): a batch takes the
+# shortest among the warm-up lane's first requests holding this many batches of texts ...
+SHORTEST_WINDOW = 2
+# ... until the lane's oldest request has been passed over this many times (then its texts
+# go first). Simulated on 50,000 synthetic drivers' padded lengths (31-84 tokens, padded to
+# 64 or 96) in calls of 256: 0.757 of the padded tokens of batches in submission order, a
+# call waiting at most 6 batches; with an 80 bucket added, 0.746.
+PASSES = 4
 
 
 @dataclass(frozen=True)
@@ -147,6 +155,8 @@ class _Request:
         "lane",
         "lengths",
         "longest",
+        "order",
+        "passed",
         "rows",
         "sent",
         "submitted",
@@ -165,9 +175,12 @@ class _Request:
         tag: str,
         counted: bool = True,
         lengths: npt.NDArray[np.int64] | None = None,
+        order: npt.NDArray[np.int64] | None = None,
     ) -> None:
         self.texts = texts
         self.lengths = lengths  # each text's padded length, when known before tokenizing
+        self.order = order  # where each of ``texts`` was submitted, when sorted by length
+        self.passed = 0  # batches formed of shorter texts while this one waited oldest
         self.longest = 0 if lengths is None else int(lengths.max(initial=0))
         self.lane = lane
         self.tag = tag
@@ -183,6 +196,14 @@ class _Request:
     @property
     def waiting(self) -> int:
         return len(self.texts) - self.taken
+
+    def result(self) -> Vectors:
+        """The rows in the order the texts were submitted."""
+        if self.order is None:
+            return self.rows
+        rows = np.empty_like(self.rows)
+        rows[self.order] = self.rows
+        return rows
 
 
 _Slice = tuple[_Request, int, int]  # request, start, stop
@@ -404,8 +425,25 @@ class Batcher:
         loop = asyncio.get_running_loop()
         texts = owned(texts)
         lengths = None if self.max_batch_tokens is None else self.engine.padded_lengths(texts)
+        order = None
+        if lane == "warmup" and lengths is not None and (np.diff(lengths) < 0).any():
+            order = np.argsort(lengths, kind="stable")  # shortest first (_take_shortest)
+            lengths = lengths[order]
+            positions = order.tolist()
+            if isinstance(texts, TokenizedTexts):
+                texts = texts.take(positions)
+            else:
+                texts = [texts[i] for i in positions]
         request = _Request(
-            texts, loop.create_future(), self.engine.dim, lane, deadline, tag, counted, lengths
+            texts,
+            loop.create_future(),
+            self.engine.dim,
+            lane,
+            deadline,
+            tag,
+            counted,
+            lengths,
+            order,
         )
         self._lanes[lane].append(request)
         self._queued += len(texts)
@@ -518,6 +556,8 @@ class Batcher:
         longest = 0  # the longest known padded length in the batch
         for lane in lanes:
             queue = self._lanes[lane]
+            if lane == "warmup" and room and queue:
+                room, longest = self._take_shortest(queue, batch, room, longest)
             while room and queue:
                 request = queue[0]
                 if request.future.done():  # cancelled, or failed in an earlier slice
@@ -531,17 +571,55 @@ class Batcher:
                         else:
                             fits, longest = _fit(request, count, size, longest, budget)
                             count, full = fits, fits < count  # full: the budget is reached
-                    if count:
-                        batch.append((request, request.taken, request.taken + count))
-                        request.taken += count
-                        self._queued -= count
-                        self._lane_waiting[lane] -= count
-                        room -= count
+                    room -= self._cut(batch, request, count)
                     if full:
                         room = 0
                 if not request.waiting:
                     queue.popleft()
         return batch
+
+    def _take_shortest(
+        self, queue: deque[_Request], batch: list[_Slice], room: int, longest: int
+    ) -> tuple[int, int]:
+        """Into ``batch``, the ``room`` shortest texts (by padded length: a forward costs
+        its size x its longest) of the warm-up requests first in ``queue`` that hold
+        ``SHORTEST_WINDOW`` batches of texts (each request sorted by length at submit, so
+        that a request's texts up to a length are the next of it), in request order. Nothing
+        when a length is unknown, when the batch would exceed the token budget, or once the
+        oldest of them was passed over ``PASSES`` times (``_take`` then goes in submission
+        order, oldest first). Returns the room and the longest padded length left."""
+        window: list[tuple[_Request, npt.NDArray[np.int64]]] = []  # and its lengths left
+        held = 0
+        for request in queue:
+            if held >= SHORTEST_WINDOW * self.max_batch_size:
+                break
+            if request.future.done() or not request.waiting:
+                continue
+            if request.lengths is None or (not window and request.passed >= PASSES):
+                return room, longest
+            window.append((request, request.lengths[request.taken :]))
+            held += request.waiting
+        if not window or self.max_batch_tokens is None:
+            return room, longest
+        lengths = np.concatenate([left for _, left in window])
+        k = min(room, len(lengths)) - 1
+        cap = int(np.partition(lengths, k)[k])
+        if (self.max_batch_size - room + k + 1) * max(cap, longest) > self.max_batch_tokens:
+            return room, longest
+        for request, left in window:
+            room -= self._cut(batch, request, min(room, int(np.searchsorted(left, cap, "right"))))
+        if window[0][0].waiting:
+            window[0][0].passed += 1
+        return room, max(longest, cap)
+
+    def _cut(self, batch: list[_Slice], request: _Request, count: int) -> int:
+        """The next ``count`` queued items of ``request`` into ``batch``; returns ``count``."""
+        if count:
+            batch.append((request, request.taken, request.taken + count))
+            request.taken += count
+            self._queued -= count
+            self._lane_waiting[request.lane] -= count
+        return count
 
     @staticmethod
     def _texts(batch: list[_Slice]) -> list[str]:
@@ -724,7 +802,7 @@ class Batcher:
                 request.rows[start:stop] = vectors[offset : offset + stop - start]
                 request.filled += stop - start
                 if request.filled == len(request.texts):
-                    request.future.set_result(request.rows)
+                    request.future.set_result(request.result())
             offset += stop - start
 
     def _embed(self, texts: list[str], tokens: Batch | None) -> tuple[Vectors, list[float]]:

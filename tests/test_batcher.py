@@ -773,6 +773,60 @@ def batch_cost(texts: list[str]) -> int:
     return len(texts) * max(max(len(text.split()), 1) for text in texts)
 
 
+def test_warmup_batches_take_the_shortest_texts_waiting_and_answer_in_submission_order() -> None:
+    """A forward costs its size x its longest text: warm-up texts of like length go together
+    (across requests), and each request still gets its rows in the order it sent them."""
+
+    async def test() -> None:
+        engine = KnownLengthsEngine(hold=True)
+        async with Batcher(engine, max_batch_size=4, max_batch_tokens=1000) as batcher:
+            first = spawn(batcher.submit(["first"]))
+            await engine_busy(engine)
+            a = ["a0 x x x", "a1", "a2 x x x", "a3"]
+            b = ["b0", "b1 x x x", "b2", "b3 x x x"]
+            warm = [spawn(batcher.submit(texts, lane="warmup")) for texts in (a, b)]
+            engine.release()
+            await first
+            rows = await asyncio.gather(*warm)
+        assert engine.batches == [
+            ["first"],
+            ["a1", "a3", "b0", "b2"],
+            ["a0 x x x", "a2 x x x", "b1 x x x", "b3 x x x"],
+        ]  # in submission order: 4 x 4 + 4 x 4 padded tokens, here 4 x 1 + 4 x 4
+        np.testing.assert_array_equal(rows[0], engine.expected(a))
+        np.testing.assert_array_equal(rows[1], engine.expected(b))
+
+    run(test)
+
+
+def test_the_oldest_warmup_request_waits_for_shorter_texts_a_few_batches_at_most() -> None:
+    async def test() -> None:
+        engine = KnownLengthsEngine(hold=True)
+        async with Batcher(engine, max_batch_size=2, max_batch_tokens=1000) as batcher:
+            first = spawn(batcher.submit(["first"]))
+            await engine_busy(engine)
+            texts = ["old x x x", *(f"s{i}" for i in range(12))]
+            warm = [spawn(batcher.submit([text], lane="warmup")) for text in texts]
+            engine.release()
+            await first
+            rows = await asyncio.gather(*warm)
+        # passed over four times (PASSES), then first, in submission order
+        assert engine.batches == [
+            ["first"],
+            ["s0", "s1"],
+            ["s2", "s3"],
+            ["s4", "s5"],
+            ["s6", "s7"],
+            ["old x x x", "s8"],
+            ["s9", "s10"],
+            ["s11"],
+        ]
+        for text, row in zip(texts, rows, strict=True):
+            np.testing.assert_array_equal(row, engine.expected([text]))
+
+    run(test)
+
+
 @pytest.mark.parametrize("known", [False, True])
 def test_no_forward_exceeds_the_token_budget_and_a_long_text_goes_alone(known: bool) -> None:
     async def test() -> None:
