@@ -5,13 +5,15 @@ Threading model::
     event loop (all queue state, all futures)          engine thread (exactly one)
     -----------------------------------------          ---------------------------
     submit(): bounded check, queue the request in
-              its lane, await the request's future
+              its lane (a warm-up one sorted by
+              length), await the request's future
     worker task, the single owner of the lanes:
       wait for work, then up to max_delay_ms for a
       full batch; take up to max_batch_size items,
-      dispatch lane before warmup lane, dropping
-      requests whose future is already done or
-      whose deadline passed                  ------->  take the slices still wanted,
+      dispatch lane before warmup lane (its
+      shortest first), dropping requests whose
+      future is already done or whose deadline
+      passed                                 ------->  take the slices still wanted,
                                                        tokenize, then forward in groups
                                                        within max_batch_tokens
       (sleeps on a future of its own:        <-------  (n, dim) float32 or an exception,
@@ -64,6 +66,13 @@ over the budget on its own runs alone. Batches tokenized ahead go through the sa
 batch is formed early (``_take_ahead``) when ``max_batch_size`` items wait, whatever the
 budget leaves of them. Size the budget so that normal traffic never reaches it: it is a
 guard against long texts.
+
+Warm-up texts by length: with their lengths known, a warm-up request is sorted by length as
+it is queued, and a batch of its lane takes the shortest texts of the lane's first requests
+(``_take_shortest``; each request still gets its rows in the order it sent its texts). A
+forward costs its size x its longest text, and a fleet's driver texts pad to 64 or 96
+columns: in submission order nearly every batch of 256 holds one of 96. The oldest request
+is passed over ``PASSES`` times at most. Dispatch items are never reordered.
 """
 
 from __future__ import annotations
@@ -102,12 +111,9 @@ logger = logging.getLogger(__name__)
 LANES = ("dispatch", "warmup")  # priority order: a batch takes dispatch items first
 AHEAD = 2  # batches handed over that the engine has not started on yet, at most
 # Warm-up texts of like length go together (``Batcher._take_shortest``): a batch takes the
-# shortest among the warm-up lane's first requests holding this many batches of texts ...
+# shortest among the warm-up lane's first requests holding this many batches of texts, ...
 SHORTEST_WINDOW = 2
-# ... until the lane's oldest request has been passed over this many times (then its texts
-# go first). Simulated on 50,000 synthetic drivers' padded lengths (31-84 tokens, padded to
-# 64 or 96) in calls of 256: 0.757 of the padded tokens of batches in submission order, a
-# call waiting at most 6 batches; with an 80 bucket added, 0.746.
+# ... until the oldest of them has been passed over this many times (then it goes first)
 PASSES = 4
 
 
@@ -179,7 +185,7 @@ class _Request:
     ) -> None:
         self.texts = texts
         self.lengths = lengths  # each text's padded length, when known before tokenizing
-        self.order = order  # where each of ``texts`` was submitted, when sorted by length
+        self.order = order  # each text's place in the submission, when sorted by length
         self.passed = 0  # batches formed of shorter texts while this one waited oldest
         self.longest = 0 if lengths is None else int(lengths.max(initial=0))
         self.lane = lane
@@ -196,14 +202,6 @@ class _Request:
     @property
     def waiting(self) -> int:
         return len(self.texts) - self.taken
-
-    def result(self) -> Vectors:
-        """The rows in the order the texts were submitted."""
-        if self.order is None:
-            return self.rows
-        rows = np.empty_like(self.rows)
-        rows[self.order] = self.rows
-        return rows
 
 
 _Slice = tuple[_Request, int, int]  # request, start, stop
@@ -230,10 +228,13 @@ class Batcher:
     Use from one event loop: ``async with Batcher(engine) as batcher: await
     batcher.submit(texts)``. The engine must already be loaded and warmed; the batcher only
     runs it. ``max_batch_tokens`` (None: no budget) bounds each forward's size x padded
-    sequence length. Observers, called on the event loop: ``on_queue_wait(lane, seconds)`` for
-    every request slice the engine starts on; ``on_sent(tag, count)`` with the submission's
-    ``tag`` as the engine thread starts on its texts (where ``items`` counts them);
-    ``on_batch_done()`` after every batch, failed or not (``stats()`` changed).
+    sequence length. ``by_length``: warm-up texts of like padded length batched together
+    (``_take_shortest``); off, in submission order as before 2026-12-06 (the baseline of
+    ``bench/warmup_batch_bench.py``). Observers, called on the event loop:
+    ``on_queue_wait(lane, seconds)`` for every request slice the engine starts on;
+    ``on_sent(tag, count)`` with the submission's ``tag`` as the engine thread starts on its
+    texts (where ``items`` counts them); ``on_batch_done()`` after every batch, failed or
+    not (``stats()`` changed).
     """
 
     def __init__(
@@ -244,6 +245,7 @@ class Batcher:
         max_delay_ms: float = 2.0,
         max_queue: int = 100_000,
         max_batch_tokens: int | None = None,
+        by_length: bool = True,
         window: int = 1024,
         on_queue_wait: QueueWaitObserver | None = None,
         on_sent: SentObserver | None = None,
@@ -258,6 +260,7 @@ class Batcher:
         self.max_delay_s = max_delay_ms / 1000
         self.max_queue = max_queue
         self.max_batch_tokens = max_batch_tokens
+        self.by_length = by_length
         self.on_queue_wait = on_queue_wait
         self.on_sent = on_sent
         self.on_batch_done = on_batch_done
@@ -426,7 +429,12 @@ class Batcher:
         texts = owned(texts)
         lengths = None if self.max_batch_tokens is None else self.engine.padded_lengths(texts)
         order = None
-        if lane == "warmup" and lengths is not None and (np.diff(lengths) < 0).any():
+        if (
+            self.by_length
+            and lane == "warmup"
+            and lengths is not None
+            and (np.diff(lengths) < 0).any()
+        ):
             order = np.argsort(lengths, kind="stable")  # shortest first (_take_shortest)
             lengths = lengths[order]
             positions = order.tolist()
@@ -550,13 +558,14 @@ class Batcher:
 
     def _take(self, lanes: Sequence[str] = LANES) -> list[_Slice]:
         """Up to max_batch_size queued items of ``lanes``, dispatch lane first, in submission
-        order; within ``max_batch_tokens`` where their padded lengths are known (``_fit``)."""
+        order (warm-up items by length where ``_take_shortest`` forms the batch); within
+        ``max_batch_tokens`` where their padded lengths are known (``_fit``)."""
         room, budget = self.max_batch_size, self.max_batch_tokens
         batch: list[_Slice] = []
         longest = 0  # the longest known padded length in the batch
         for lane in lanes:
             queue = self._lanes[lane]
-            if lane == "warmup" and room and queue:
+            if lane == "warmup" and room and queue and self.by_length:
                 room, longest = self._take_shortest(queue, batch, room, longest)
             while room and queue:
                 request = queue[0]
@@ -576,18 +585,24 @@ class Batcher:
                         room = 0
                 if not request.waiting:
                     queue.popleft()
+            while queue and not queue[0].waiting:  # taken whole by _take_shortest
+                queue.popleft()
         return batch
 
     def _take_shortest(
         self, queue: deque[_Request], batch: list[_Slice], room: int, longest: int
     ) -> tuple[int, int]:
-        """Into ``batch``, the ``room`` shortest texts (by padded length: a forward costs
-        its size x its longest) of the warm-up requests first in ``queue`` that hold
-        ``SHORTEST_WINDOW`` batches of texts (each request sorted by length at submit, so
-        that a request's texts up to a length are the next of it), in request order. Nothing
-        when a length is unknown, when the batch would exceed the token budget, or once the
-        oldest of them was passed over ``PASSES`` times (``_take`` then goes in submission
-        order, oldest first). Returns the room and the longest padded length left."""
+        """Into ``batch``: the ``room`` shortest texts waiting in the first warm-up requests
+        of ``queue`` that hold ``SHORTEST_WINDOW`` batches of texts, request by request. A
+        forward costs its size x its longest padded text, and driver texts pad to 64 or 96
+        columns: in submission order nearly every batch of 256 holds one of 96. Each request
+        was sorted by length at submit, so its texts up to a length are its next ones.
+
+        Takes nothing (``_take`` then goes in submission order) when a length is unknown,
+        when the batch would exceed the token budget, or once the oldest of those requests
+        was passed over ``PASSES`` times. Returns the room and the longest length left."""
+        if self.max_batch_tokens is None:  # lengths are known only within a budget
+            return room, longest
         window: list[tuple[_Request, npt.NDArray[np.int64]]] = []  # and its lengths left
         held = 0
         for request in queue:
@@ -599,7 +614,7 @@ class Batcher:
                 return room, longest
             window.append((request, request.lengths[request.taken :]))
             held += request.waiting
-        if not window or self.max_batch_tokens is None:
+        if not window:
             return room, longest
         lengths = np.concatenate([left for _, left in window])
         k = min(room, len(lengths)) - 1
@@ -607,7 +622,8 @@ class Batcher:
         if (self.max_batch_size - room + k + 1) * max(cap, longest) > self.max_batch_tokens:
             return room, longest
         for request, left in window:
-            room -= self._cut(batch, request, min(room, int(np.searchsorted(left, cap, "right"))))
+            up_to_cap = int(np.searchsorted(left, cap, "right"))
+            room -= self._cut(batch, request, min(room, up_to_cap))
         if window[0][0].waiting:
             window[0][0].passed += 1
         return room, max(longest, cap)
@@ -799,10 +815,14 @@ class Batcher:
         offset = 0
         for request, start, stop in batch:
             if not request.future.done():
-                request.rows[start:stop] = vectors[offset : offset + stop - start]
+                rows = vectors[offset : offset + stop - start]
+                if request.order is None:
+                    request.rows[start:stop] = rows
+                else:  # sorted at submit: each row to its text's place in the submission
+                    request.rows[request.order[start:stop]] = rows
                 request.filled += stop - start
                 if request.filled == len(request.texts):
-                    request.future.set_result(request.result())
+                    request.future.set_result(request.rows)
             offset += stop - start
 
     def _embed(self, texts: list[str], tokens: Batch | None) -> tuple[Vectors, list[float]]:
@@ -874,8 +894,9 @@ class Batcher:
         for queue in self._lanes.values():
             while queue:
                 request = queue.popleft()
-                self._drop(request)
-                self._fail([request], error)
+                if request.waiting:  # else every text is in a batch handed over: it finishes
+                    self._drop(request)
+                    self._fail([request], error)
 
 
 def name_thread(name: str) -> None:

@@ -28,6 +28,7 @@ from engines.base import (
 )
 from engines.batcher import Batcher, deadline_after
 from engines.fake import FakeEngine
+from engines.tokenization import TokenizedTexts
 
 
 class RecordingEngine(FakeEngine):
@@ -377,12 +378,13 @@ def test_stats_count_exactly_what_reached_the_engine() -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("known", [False, True])
+@pytest.mark.parametrize("known, budget", [(False, None), (True, 40), (True, 100)])
 def test_random_mix_of_lanes_sizes_failures_and_cancellations_resolves_everything(
-    known: bool,
+    known: bool, budget: int | None
 ) -> None:
     """Without a token budget, and with one and lengths known when queued (batches formed
-    within it: each one forward, so the engine counts what the batcher took)."""
+    within it: each one forward, so the engine counts what the batcher took; at 100 most
+    warm-up batches are of the shortest texts waiting, at 40 few fit)."""
 
     async def test() -> None:
         rng = random.Random(7)
@@ -407,7 +409,6 @@ def test_random_mix_of_lanes_sizes_failures_and_cancellations_resolves_everythin
                 np.testing.assert_array_equal(vectors, engine.expected(texts))
                 outcomes["ok"] += 1
 
-        budget = 40 if known else None
         async with Batcher(
             engine, max_batch_size=16, max_delay_ms=0.5, max_batch_tokens=budget
         ) as batcher:
@@ -416,8 +417,8 @@ def test_random_mix_of_lanes_sizes_failures_and_cancellations_resolves_everythin
             assert batcher.stats().items == engine.items
         assert sum(outcomes.values()) == 200
         assert outcomes["ok"] > 0 and outcomes["error"] > 0 and outcomes["cancelled"] > 0
-        if known:
-            assert all(batch_cost(batch) <= 40 for batch in engine.batches)
+        if budget is not None:
+            assert all(batch_cost(batch) <= budget for batch in engine.batches)
 
     run(test)
 
@@ -823,6 +824,80 @@ def test_the_oldest_warmup_request_waits_for_shorter_texts_a_few_batches_at_most
         ]
         for text, row in zip(texts, rows, strict=True):
             np.testing.assert_array_equal(row, engine.expected([text]))
+
+    run(test)
+
+
+def test_warmup_texts_sorted_by_length_keep_their_token_ids() -> None:
+    class IdsEngine(KnownLengthsEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ids: dict[str, list[int]] = {}
+
+        def tokenize(self, texts: Any) -> Batch:
+            assert isinstance(texts, TokenizedTexts)
+            flat, counts = texts.ids()
+            for text, ids in zip(texts, np.split(flat, np.cumsum(counts)[:-1]), strict=True):
+                self.ids[text] = ids.tolist()
+            return super().tokenize(texts)
+
+    async def test() -> None:
+        engine = IdsEngine()
+        texts = ["a x x", "b", "c x", "d", "e x x x", "f"]
+        ids = [[i] * len(text.split()) for i, text in enumerate(texts)]
+        async with Batcher(engine, max_batch_size=2, max_batch_tokens=1000) as batcher:
+            rows = await batcher.submit(TokenizedTexts.of(texts, ids), lane="warmup")
+        assert engine.ids == dict(zip(texts, ids, strict=True))
+        assert engine.batches[0] == ["b", "d"]  # sorted: the shortest first
+        np.testing.assert_array_equal(rows, engine.expected(texts))
+
+    run(test)
+
+
+def test_the_warmup_lane_forgets_requests_taken_whole_from_its_middle() -> None:
+    """Requests that ``_take_shortest`` took whole behind a request still waiting leave the
+    lane once it is done (they kept their texts and rows for the whole job)."""
+
+    async def test() -> None:
+        engine = KnownLengthsEngine()
+        async with Batcher(
+            engine, max_batch_size=4, max_batch_tokens=1000, max_delay_ms=0
+        ) as batcher:
+            largest = 0
+
+            async def client(i: int) -> None:
+                nonlocal largest
+                for j in range(50):
+                    await batcher.submit([f"t{i}-{j}"], lane="warmup")
+                    largest = max(largest, len(batcher._lanes["warmup"]))
+
+            await asyncio.gather(*(client(i) for i in range(16)))
+        assert largest <= 16 + 4  # the live requests, and a window's worth done
+
+    run(test)
+
+
+def test_close_finishes_warmup_requests_taken_whole_and_fails_those_queued() -> None:
+    async def test() -> None:
+        engine = KnownLengthsEngine(hold=True)
+        batcher = Batcher(engine, max_batch_size=2, max_batch_tokens=1000)
+        await batcher.start()
+        first = spawn(batcher.submit(["first"]))
+        await engine_busy(engine)
+        old = spawn(batcher.submit(["old x x x"], lane="warmup"))
+        short = [spawn(batcher.submit([f"s{i}"], lane="warmup")) for i in range(3)]
+        await until(lambda: len(engine.tokenized_on) == 2)  # [s0, s1] formed ahead
+        closing = asyncio.ensure_future(batcher.aclose())
+        await asyncio.sleep(0)
+        engine.release()
+        await closing
+        await first
+        for task, text in zip(short[:2], ["s0", "s1"], strict=True):
+            np.testing.assert_array_equal(await task, engine.expected([text]))
+        for task in (old, short[2]):
+            with pytest.raises(EngineError, match="batcher closed"):
+                await task
+        assert engine.batches == [["first"], ["s0", "s1"]]
 
     run(test)
 
