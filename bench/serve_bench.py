@@ -853,11 +853,10 @@ class RunQueueWait:
 
     def _ns(self) -> tuple[int, int]:
         ran = waited = 0
-        for pid in self.pids:
-            with contextlib.suppress(OSError):
-                for task in Path(f"/proc/{pid}/task").iterdir():
-                    fields = (task / "schedstat").read_text().split()
-                    ran, waited = ran + int(fields[0]), waited + int(fields[1])
+        for tid in threads(self.pids):
+            with contextlib.suppress(OSError):  # gone meanwhile
+                fields = Path(f"/proc/{tid}/schedstat").read_text().split()
+                ran, waited = ran + int(fields[0]), waited + int(fields[1])
         return ran, waited
 
     def __enter__(self) -> RunQueueWait:
@@ -885,23 +884,20 @@ class ThreadTally:
     def _read(self) -> dict[str, list[float]]:
         found: dict[str, list[float]] = {}
         for role, pid in ((r, p) for r, pids in self.pids.items() for p in pids):
-            with contextlib.suppress(OSError):
-                for task in Path(f"/proc/{pid}/task").iterdir():
-                    with contextlib.suppress(OSError, ValueError):
-                        ran, waited = map(int, (task / "schedstat").read_text().split()[:2])
-                        sched = dict(
-                            (k.strip(), v.strip())
-                            for k, _, v in (
-                                ln.partition(":")
-                                for ln in (task / "sched").read_text().splitlines()
-                            )
-                        )
-                        comm = (task / "comm").read_text().strip()
-                        name = f"{role} {'main' if task.name == str(pid) else comm}"
-                        row = [ran / 1e6, waited / 1e6, *(float(sched[f]) for f in self.FIELDS)]
-                        total = found.setdefault(name, [0.0] * len(row))
-                        for i, value in enumerate(row):
-                            total[i] += value
+            for tid in threads([pid]):
+                task = Path(f"/proc/{pid}/task/{tid}")
+                with contextlib.suppress(OSError, ValueError):  # gone meanwhile
+                    ran, waited = map(int, (task / "schedstat").read_text().split()[:2])
+                    lines = (task / "sched").read_text().splitlines()
+                    sched = {
+                        k.strip(): v.strip() for k, _, v in (ln.partition(":") for ln in lines)
+                    }
+                    comm = (task / "comm").read_text().strip()
+                    name = f"{role} {'main' if tid == pid else comm}"
+                    row = [ran / 1e6, waited / 1e6, *(float(sched[f]) for f in self.FIELDS)]
+                    total = found.setdefault(name, [0.0] * len(row))
+                    for i, value in enumerate(row):
+                        total[i] += value
         return found
 
     def __enter__(self) -> ThreadTally:

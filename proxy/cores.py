@@ -259,8 +259,9 @@ def cpu_plan(
     count = len(device_children)
     if placement != "auto":
         engine_part, device_part = (cpu_list(part) for part in placement.split("/"))
-        shared = tuple(c for c in every if c not in set(engine_part) | set(device_part))
-        if not set(engine_part + device_part) <= set(every) or not shared:
+        named = set(engine_part + device_part)
+        shared = tuple(c for c in every if c not in named)
+        if not named <= set(every) or not shared:
             raise ValueError(
                 f"FLEETCACHE_CPU_PLACEMENT={placement}: the CPUs named must be among this "
                 f"server's ({cpu_text(every)}) and leave some to the other processes"
