@@ -451,9 +451,7 @@ class LocalSink:
         self.live_s = live_s
         self.max_lag_s = max_lag_s
         self.max_wait_s = max_wait_s
-        settings = services.settings
-        batch = settings.warmup_batch_size or settings.max_batch_size  # a full warm-up batch
-        self.paced_slices = -(-batch // slice_size) + 1
+        self.paced_slices = -(-services.settings.max_batch_size // slice_size) + 1
         self.paced = 0  # slices that waited for dispatch traffic (progress, tests)
         self._clock = clock
         self._holder: dict[str, asyncio.Task[tuple[int, int]]] = {}  # driver id -> its slice
