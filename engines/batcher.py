@@ -245,23 +245,18 @@ class Batcher:
         max_delay_ms: float = 2.0,
         max_queue: int = 100_000,
         max_batch_tokens: int | None = None,
-        warmup_batch_size: int | None = None,
         by_length: bool = True,
         window: int = 1024,
         on_queue_wait: QueueWaitObserver | None = None,
         on_sent: SentObserver | None = None,
         on_batch_done: Callable[[], None] | None = None,
     ) -> None:
-        warmup_batch_size = max_batch_size if warmup_batch_size is None else warmup_batch_size
-        if min(max_batch_size, warmup_batch_size, max_queue, window) < 1 or max_delay_ms < 0:
-            raise ValueError(
-                "max_batch_size, warmup_batch_size, max_queue, window >= 1 and max_delay_ms >= 0"
-            )
+        if max_batch_size < 1 or max_queue < 1 or window < 1 or max_delay_ms < 0:
+            raise ValueError("max_batch_size, max_queue, window >= 1 and max_delay_ms >= 0")
         if max_batch_tokens is not None and max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be positive or None, got {max_batch_tokens}")
         self.engine = engine
         self.max_batch_size = max_batch_size
-        self.warmup_batch_size = warmup_batch_size  # a batch of warm-up items only
         self.max_delay_s = max_delay_ms / 1000
         self.max_queue = max_queue
         self.max_batch_tokens = max_batch_tokens
@@ -544,9 +539,7 @@ class Batcher:
         when it is the ``first`` the engine has not started on, else of dispatch items only
         (at most one batch formed early holds warm-up items)."""
         lanes = LANES if first else LANES[:1]
-        dispatch = self._lane_waiting["dispatch"]
-        full = self.max_batch_size if dispatch or not first else self.warmup_batch_size
-        if sum(self._lane_waiting[lane] for lane in lanes) < full:
+        if sum(self._lane_waiting[lane] for lane in lanes) < self.max_batch_size:
             return []
         return self._take(lanes)
 
@@ -565,19 +558,15 @@ class Batcher:
 
     def _take(self, lanes: Sequence[str] = LANES) -> list[_Slice]:
         """Up to max_batch_size queued items of ``lanes``, dispatch lane first, in submission
-        order (warm-up items by length where ``_take_shortest`` forms the batch), or up to
-        warmup_batch_size of warm-up items only; within ``max_batch_tokens`` where their
-        padded lengths are known (``_fit``)."""
-        limit = room = self.max_batch_size
-        budget = self.max_batch_tokens
+        order (warm-up items by length where ``_take_shortest`` forms the batch); within
+        ``max_batch_tokens`` where their padded lengths are known (``_fit``)."""
+        room, budget = self.max_batch_size, self.max_batch_tokens
         batch: list[_Slice] = []
         longest = 0  # the longest known padded length in the batch
         for lane in lanes:
             queue = self._lanes[lane]
-            if lane == "warmup" and not batch:
-                limit = room = self.warmup_batch_size
             if lane == "warmup" and room and queue and self.by_length:
-                room, longest = self._take_shortest(queue, batch, limit, room, longest)
+                room, longest = self._take_shortest(queue, batch, room, longest)
             while room and queue:
                 request = queue[0]
                 if request.future.done():  # cancelled, or failed in an earlier slice
@@ -585,7 +574,7 @@ class Batcher:
                 if request.waiting:
                     count, full = min(room, request.waiting), False
                     if request.lengths is not None and budget is not None:
-                        size = limit - room
+                        size = self.max_batch_size - room
                         if (size + count) * max(longest, request.longest) <= budget:
                             longest = max(longest, request.longest)  # all of it fits
                         else:
@@ -601,11 +590,10 @@ class Batcher:
         return batch
 
     def _take_shortest(
-        self, queue: deque[_Request], batch: list[_Slice], limit: int, room: int, longest: int
+        self, queue: deque[_Request], batch: list[_Slice], room: int, longest: int
     ) -> tuple[int, int]:
-        """Into ``batch`` (of ``limit`` items at most): the ``room`` shortest texts waiting in
-        the first warm-up requests of ``queue`` that hold ``SHORTEST_WINDOW`` batches of
-        texts, request by request. A
+        """Into ``batch``: the ``room`` shortest texts waiting in the first warm-up requests
+        of ``queue`` that hold ``SHORTEST_WINDOW`` batches of texts, request by request. A
         forward costs its size x its longest padded text, and driver texts pad to 64 or 96
         columns: in submission order nearly every batch of 256 holds one of 96. Each request
         was sorted by length at submit, so its texts up to a length are its next ones.
@@ -618,7 +606,7 @@ class Batcher:
         window: list[tuple[_Request, npt.NDArray[np.int64]]] = []  # and its lengths left
         held = 0
         for request in queue:
-            if held >= SHORTEST_WINDOW * limit:
+            if held >= SHORTEST_WINDOW * self.max_batch_size:
                 break
             if request.future.done() or not request.waiting:
                 continue
@@ -631,7 +619,7 @@ class Batcher:
         lengths = np.concatenate([left for _, left in window])
         k = min(room, len(lengths)) - 1
         cap = int(np.partition(lengths, k)[k])
-        if (limit - room + k + 1) * max(cap, longest) > self.max_batch_tokens:
+        if (self.max_batch_size - room + k + 1) * max(cap, longest) > self.max_batch_tokens:
             return room, longest
         for request, left in window:
             up_to_cap = int(np.searchsorted(left, cap, "right"))

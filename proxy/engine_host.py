@@ -155,7 +155,6 @@ class EngineHost:
             max_delay_ms=settings.max_delay_ms,
             max_queue=settings.max_queue,
             max_batch_tokens=settings.max_batch_tokens,
-            warmup_batch_size=settings.warmup_batch_size,
             on_queue_wait=self._queue_wait,
             on_sent=self._sent,
             on_batch_done=self.publish,

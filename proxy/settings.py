@@ -73,9 +73,6 @@ class Settings(BaseSettings):
     max_delay_ms: float = Field(2.0, ge=0.0, le=1000.0)
     max_queue: int = Field(100_000, ge=1)
     max_batch_tokens: int = Field(32_768, ge=8, description="batch size x padded sequence length")
-    warmup_batch_size: int | None = Field(
-        None, ge=1, le=8192, description="texts per batch of warm-up texts only; none: as others"
-    )
     dispatch_deadline_ms: float | None = Field(
         30_000.0, gt=0.0, description="dispatch items still queued after this are dropped"
     )

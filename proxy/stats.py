@@ -182,8 +182,6 @@ def snapshot(services: Services) -> Snapshot:
             "max_batch_size": services.settings.max_batch_size,
             "max_delay_ms": services.settings.max_delay_ms,
             "max_batch_tokens": services.settings.max_batch_tokens,
-            "warmup_batch_size": services.settings.warmup_batch_size
-            or services.settings.max_batch_size,
         },
     }
     return Snapshot(stats, totals)

@@ -378,17 +378,13 @@ def test_stats_count_exactly_what_reached_the_engine() -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    "known, budget, warmup_size",
-    [(False, None, None), (True, 40, None), (True, 100, None), (True, 200, 32)],
-)
+@pytest.mark.parametrize("known, budget", [(False, None), (True, 40), (True, 100)])
 def test_random_mix_of_lanes_sizes_failures_and_cancellations_resolves_everything(
-    known: bool, budget: int | None, warmup_size: int | None
+    known: bool, budget: int | None
 ) -> None:
     """Without a token budget, and with one and lengths known when queued (batches formed
     within it: each one forward, so the engine counts what the batcher took; at 100 most
-    warm-up batches are of the shortest texts waiting, at 40 few fit); with warm-up batches
-    twice the size of the others (a batch holding a dispatch text stays within 16)."""
+    warm-up batches are of the shortest texts waiting, at 40 few fit)."""
 
     async def test() -> None:
         rng = random.Random(7)
@@ -396,13 +392,10 @@ def test_random_mix_of_lanes_sizes_failures_and_cancellations_resolves_everythin
         outcomes: dict[str, int] = {"ok": 0, "error": 0, "cancelled": 0}
 
         async def client(i: int) -> None:
-            lane = rng.choice(["dispatch", "warmup"])
-            texts = [
-                f"{lane[0]}{i}-{j}" + " x" * rng.randint(0, 7) for j in range(rng.randint(1, 40))
-            ]
+            texts = [f"c{i}-{j}" + " x" * rng.randint(0, 7) for j in range(rng.randint(1, 40))]
             if rng.random() < 0.1:
                 texts[rng.randrange(len(texts))] = "boom"
-            task = spawn(batcher.submit(texts, lane=lane))
+            task = spawn(batcher.submit(texts, lane=rng.choice(["dispatch", "warmup"])))
             if rng.random() < 0.2:
                 await asyncio.sleep(0)
                 task.cancel()
@@ -417,11 +410,7 @@ def test_random_mix_of_lanes_sizes_failures_and_cancellations_resolves_everythin
                 outcomes["ok"] += 1
 
         async with Batcher(
-            engine,
-            max_batch_size=16,
-            max_delay_ms=0.5,
-            max_batch_tokens=budget,
-            warmup_batch_size=warmup_size,
+            engine, max_batch_size=16, max_delay_ms=0.5, max_batch_tokens=budget
         ) as batcher:
             await asyncio.wait_for(asyncio.gather(*(client(i) for i in range(200))), 60)
             assert batcher.queued == 0
@@ -430,9 +419,6 @@ def test_random_mix_of_lanes_sizes_failures_and_cancellations_resolves_everythin
         assert outcomes["ok"] > 0 and outcomes["error"] > 0 and outcomes["cancelled"] > 0
         if budget is not None:
             assert all(batch_cost(batch) <= budget for batch in engine.batches)
-        dispatch = [batch for batch in engine.batches if any(t[0] == "d" for t in batch)]
-        assert max(len(batch) for batch in dispatch) <= 16
-        assert max(len(batch) for batch in engine.batches) == (warmup_size or 16)
 
     run(test)
 
@@ -501,54 +487,6 @@ def test_full_warmup_batch_is_tokenized_ahead_and_dispatch_waits_one_forward_at_
             ["w7"],
         ]
         np.testing.assert_array_equal(results[1], engine.expected([f"w{i}" for i in range(8)]))
-
-    run(test)
-
-
-def test_warmup_batches_take_up_to_the_warmup_batch_size_and_dispatch_ones_stay_smaller() -> None:
-    """A batch of warm-up texts only holds up to ``warmup_batch_size`` (fewer hand-overs a
-    job's text); one holding a dispatch text up to ``max_batch_size``, as before."""
-
-    async def test() -> None:
-        engine = ThreadRecordingEngine(hold=True)
-        async with Batcher(engine, max_batch_size=2, warmup_batch_size=4) as batcher:
-            first = spawn(batcher.submit(["first"]))
-            await engine_busy(engine)
-            warm = spawn(batcher.submit([f"w{i}" for i in range(8)], lane="warmup"))
-            await until(lambda: len(engine.tokenized_on) == 2)  # w0..w3 tokenized ahead
-            late = spawn(batcher.submit(["d0", "d1", "d2"]))
-            await until(lambda: batcher.queued == 11)  # 4 tokenized ahead + 7 queued
-            engine.release()
-            results = await asyncio.gather(first, warm, late)
-        assert engine.batches == [
-            ["first"],
-            ["w0", "w1", "w2", "w3"],
-            ["d0", "d1"],
-            ["d2", "w4"],
-            ["w5", "w6", "w7"],
-        ]
-        np.testing.assert_array_equal(results[1], engine.expected([f"w{i}" for i in range(8)]))
-        np.testing.assert_array_equal(results[2], engine.expected(["d0", "d1", "d2"]))
-
-    run(test)
-
-
-def test_a_warmup_batch_is_formed_ahead_once_a_full_warmup_batch_waits() -> None:
-    async def test() -> None:
-        engine = ThreadRecordingEngine(hold=True)
-        async with Batcher(engine, max_batch_size=2, warmup_batch_size=4) as batcher:
-            first = spawn(batcher.submit(["first"]))
-            await engine_busy(engine)
-            warm = [spawn(batcher.submit([f"w{i}"], lane="warmup")) for i in range(3)]
-            await until(lambda: batcher.queued == 3)
-            for _ in range(100):  # a turn for the worker: it must not take the three
-                await asyncio.sleep(0)
-            assert len(engine.tokenized_on) == 1
-            warm += [spawn(batcher.submit([f"w{i}"], lane="warmup")) for i in (3, 4)]
-            await until(lambda: len(engine.tokenized_on) == 2)
-            engine.release()
-            await asyncio.gather(first, *warm)
-        assert engine.batches == [["first"], ["w0", "w1", "w2", "w3"], ["w4"]]
 
     run(test)
 
