@@ -816,6 +816,7 @@ def measure_warmup(args: argparse.Namespace, server: Server, wrk: Wrk, out: Path
         "stages": stages,
         "cpu_s": cpu.elapsed,
         "job_cores": len(cpu_list(args.job_cpus or args.server_cpus)),
+        "tokenizer_cores": len(os.sched_getaffinity(0)),
     }
 
 
@@ -1239,6 +1240,12 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
         print()
         print_table(columns, table)
         for r in warm:
+            job, tokenizer = r["warmup"]["job_cores"], r["warmup"].get("tokenizer_cores", 0)
+            if job != tokenizer:  # the ratios then compare unlike things
+                print(
+                    f"({r['layout']}: the job alone ran on {job} cores, the tokenizer's "
+                    f"ceiling on {tokenizer}; --job-cpus with every core compares them alike)"
+                )
             print(
                 f"\nwhere the job alone's CPU went ({r['layout']}, on "
                 f"{r['warmup']['job_cores']} cores, {r['warmup']['cpu_s']:.1f} s "
