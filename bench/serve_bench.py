@@ -1240,7 +1240,7 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
         print()
         print_table(columns, table)
         for r in warm:
-            job, tokenizer = r["warmup"]["job_cores"], r["warmup"].get("tokenizer_cores", 0)
+            job, tokenizer = r["warmup"]["job_cores"], r["warmup"]["tokenizer_cores"]
             if job != tokenizer:  # the ratios then compare unlike things
                 print(
                     f"({r['layout']}: the job alone ran on {job} cores, the tokenizer's "
