@@ -76,12 +76,12 @@ async def job(
         started = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(in_flight)))
         seconds = time.perf_counter() - started
-        _, batches, _, _, _, engine_ms, _ = batcher.totals()
+        stats = batcher.stats()
     figures = {
         "s": seconds,
         "p99": float(np.percentile(latencies, 99)) * 1e3,
-        "ms": engine_ms / batches,
-        "batches": batches,
+        "ms": stats.engine_ms / stats.batches,
+        "batches": stats.batches,
         "columns": statistics.mean(engine.columns),
     }
     return figures, np.concatenate([r for r in rows if r is not None])
