@@ -509,14 +509,9 @@ class Batcher:
                     await self._wait_for_more()
                     if batch := self._take():
                         self._hand_off(batch)
-                elif (
-                    self._outstanding
-                    and len(self._waiting_engine) < AHEAD
-                    and (batch := self._take_ahead(not self._waiting_engine))
-                ):
-                    self._hand_off(batch, ahead=True)
-                else:  # idle, or the engine has its next batches, or the next is not full yet
-                    await self._sleep()
+                elif not self._hand_off_ahead():
+                    await self._sleep()  # idle, or the engine has its next batches, or the
+                    # next is not full yet
         except Exception:  # a bug here must not leave waiters hanging: fail them below
             logger.exception("batcher worker crashed")
         finally:  # closed, crashed or cancelled: nobody is left waiting
@@ -533,6 +528,16 @@ class Batcher:
     def _poke(self) -> None:
         if self._wake is not None and not self._wake.done():
             self._wake.set_result(None)
+
+    def _hand_off_ahead(self) -> bool:
+        """While the engine is busy: the next full batch to the tokenizer thread, if the engine
+        has room for one more (``AHEAD``). Returns whether one went."""
+        if self._closed or not self._outstanding or len(self._waiting_engine) >= AHEAD:
+            return False
+        batch = self._take_ahead(not self._waiting_engine)
+        if batch:
+            self._hand_off(batch, ahead=True)
+        return bool(batch)
 
     def _take_ahead(self, first: bool) -> list[_Slice]:
         """The next batch to tokenize while the engine runs, if it is full: of either lane
@@ -724,8 +729,12 @@ class Batcher:
             return live, exc
 
     def _sent(self, live: list[_Slice], now: float) -> None:
-        """On the event loop: the slices the engine thread started on, counted; the worker
-        may hand over the next batch."""
+        """On the event loop: the slices the engine thread started on, counted, and the next
+        full batch handed over ahead here, not in the worker's turn: that turn comes after
+        the callbacks of the batch before (its submitters, their write-backs and answers),
+        which the engine's outcome queued first. In a warm-up that wait left the device
+        without its next batch (docs/BENCHMARKS.md)."""
+        self._hand_off_ahead()
         self._poke()
         for request, start, stop in live:
             self._observe_wait(request.lane, now - request.submitted)

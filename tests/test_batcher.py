@@ -676,6 +676,39 @@ def test_a_miss_s_caller_resumes_two_turns_after_its_batch_s_outcome_arrives() -
     run(test)
 
 
+def test_the_next_batch_is_handed_over_before_the_last_one_s_submitters_resume() -> None:
+    """The engine thread finishes batch A and starts B while the event loop is busy: the
+    loop hands C to the tokenizer thread as it learns B started, before A's submitters (in
+    the engine process: their write-backs and answers) take their turns."""
+
+    async def test() -> None:
+        engine = ThreadRecordingEngine(hold=True)
+        async with Batcher(engine, max_batch_size=2) as batcher:
+            seen: list[int] = []
+
+            async def first() -> None:
+                await batcher.submit(["first"])
+                seen.append(batcher.stats().batches)  # handed over when "first" resumes
+
+            task = asyncio.create_task(first())
+            await engine_busy(engine)
+            warm = spawn(batcher.submit(["w0", "w1", "w2", "w3"], lane="warmup"))
+            await until(lambda: len(engine.tokenized_on) == 2)  # B = w0, w1 formed ahead
+            assert batcher.stats().batches == 2  # C = w2, w3 waits: one warm-up batch ahead
+
+            def block() -> None:  # A's outcome and B's start reach the loop in one turn
+                engine.release()
+                assert engine.ran(2, timeout=10), "the engine never started on B"
+
+            asyncio.get_running_loop().call_soon(block)
+            await task
+            await warm
+        assert seen == [3]
+        assert engine.batches == [["first"], ["w0", "w1"], ["w2", "w3"]]
+
+    run(test)
+
+
 # -- per-item deadlines ------------------------------------------------------------------------
 
 
