@@ -766,7 +766,8 @@ def test_items_already_in_the_engine_finish_after_their_deadline() -> None:
     async def test() -> None:
         engine = RecordingEngine(hold=True)
         async with Batcher(engine) as batcher:
-            deadline = deadline_after(10)
+            # long enough for a loaded box to reach the engine (10 ms failed in a CI run)
+            deadline = deadline_after(500)
             inside = spawn(batcher.submit(["inside"], deadline=deadline))
             await engine_busy(engine)
             assert deadline is not None
