@@ -523,7 +523,7 @@ def test_request_dropped_while_its_batch_is_tokenized_never_reaches_the_engine(d
         async with Batcher(engine, max_batch_size=2) as batcher:
             first = spawn(batcher.submit(["first"]))
             await engine_busy(engine)
-            deadline = deadline_after(20) if drop == "expired" else None
+            deadline = deadline_after(300) if drop == "expired" else None
             doomed = spawn(batcher.submit(["doomed"], deadline=deadline))
             kept = spawn(batcher.submit(["kept"]))
             assert await asyncio.to_thread(engine.tokenizing.wait, 30)  # both taken ahead
@@ -750,7 +750,7 @@ def test_expired_split_submission_drops_its_queued_slices() -> None:
     async def test() -> None:
         engine = RecordingEngine(hold=True)
         async with Batcher(engine, max_batch_size=4) as batcher:
-            big = spawn(batcher.submit([f"t{i}" for i in range(6)], deadline=deadline_after(20)))
+            big = spawn(batcher.submit([f"t{i}" for i in range(6)], deadline=deadline_after(300)))
             await engine_busy(engine)  # t0..t3 are in the engine, t4, t5 queued
             with pytest.raises(DeadlineExceededError, match="2 of 6 texts"):
                 await big
