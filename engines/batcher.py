@@ -510,8 +510,8 @@ class Batcher:
                     if batch := self._take():
                         self._hand_off(batch)
                 elif not self._hand_off_ahead():
-                    await self._sleep()  # idle, or the engine has its next batches, or the
-                    # next is not full yet
+                    # idle, or the engine has its next batches, or the next is not full yet
+                    await self._sleep()
         except Exception:  # a bug here must not leave waiters hanging: fail them below
             logger.exception("batcher worker crashed")
         finally:  # closed, crashed or cancelled: nobody is left waiting
