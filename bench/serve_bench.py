@@ -320,10 +320,11 @@ def measure_layout(
                 pids = role_pids(server)
                 niced = lower_roles(server, args.nice, pids) if args.nice and run % 2 else {}
                 pinned = pin_roles(args.pin, pids) if args.pin and run % 2 else {}
+                before_run = server.stats()["inference"]["device_process"]
                 load = wrk.start("misses.lua", url, c, d, FMT="base64", SALT=f"r{run}-")
                 # from a moment into the run: a batch's wait counts from the answer before
                 time.sleep(min(0.5, d / 4))
-                child = (time.monotonic(), server.stats()["inference"]["device_process"])
+                child = first_answered(server, before_run, time.monotonic() + d / 2)
                 waits = {role: RunQueueWait(pids[role]) for role in ("engine", "device", "workers")}
                 tally = ThreadTally({role: pids[role] for role in ("engine", "device")})
                 with contextlib.ExitStack() as stack:
@@ -682,11 +683,12 @@ def run_job(server: Server, fleet: Path, full: int) -> dict[str, Any]:
     waiting there: while it is empty, the engine waits for the job's readers;
     ``queue_full``: those that found a ``full`` batch waiting (whatever the engine waits for
     then, it is not the readers); and ``device``: what the device child did over those
-    samples (``device_child``)."""
+    samples (``device_child``) from the first that shows a batch of the job answered."""
     samples: list[tuple[float, int]] = []  # (seconds after the POST, indexed)
     depths: list[int] = []  # the engine's queue, sampled once the first rows are in
     children: list[tuple[float, Any]] = []  # (when, /v1/stats inference.device_process)
     with httpx.Client(base_url=server.url, timeout=600) as client:
+        before_job = client.get("/v1/stats").json()["inference"].get("device_process") or {}
         posted, posted_at = time.monotonic(), time.time()
         response = client.post(
             "/v1/warmup",
@@ -709,7 +711,13 @@ def run_job(server: Server, fleet: Path, full: int) -> dict[str, Any]:
     def share(found: Callable[[int], bool]) -> float:
         return sum(map(found, depths)) / len(depths) if depths else float("nan")
 
-    device = device_child(children[0], children[-1]) if len(children) > 1 else None
+    # The job's first batch carries the device's idle time since the batch before the job
+    # (its wait counts from that answer): the window opens after it. The first sample with
+    # rows indexed may not show it yet (a worker's /v1/stats reads the engine's facts as of
+    # its last ping): from such a sample, a job of 2.5 s read 9.4 s of waiting.
+    opened = before_job.get("batches", -1)
+    answered = [c for c in children if c[1] and c[1]["batches"] > opened]
+    device = device_child(answered[0], answered[-1]) if len(answered) > 1 else None
     return {
         **job,
         **job_timeline(samples),
@@ -718,6 +726,18 @@ def run_job(server: Server, fleet: Path, full: int) -> dict[str, Any]:
         "queue_full": share(lambda depth: depth >= full),
         "device": device,
     }
+
+
+def first_answered(server: Server, before: Any, until: float) -> tuple[float, Any]:
+    """``(when, /v1/stats inference.device_process)`` once it shows a batch answered since
+    ``before`` (a run's first batch carries the device's idle time before the run: a window
+    opened before it read 3.1 s of waiting over a 0.8 s run on a CPU), or as it is at
+    ``until``."""
+    while True:
+        when, now = time.monotonic(), server.stats()["inference"]["device_process"]
+        if not (now and before) or now["batches"] > before["batches"] or when >= until:
+            return when, now
+        time.sleep(0.05)
 
 
 def device_child(first: tuple[float, Any], last: tuple[float, Any]) -> dict[str, Any] | None:
