@@ -688,7 +688,7 @@ def run_job(server: Server, fleet: Path, full: int) -> dict[str, Any]:
     depths: list[int] = []  # the engine's queue, sampled once the first rows are in
     children: list[tuple[float, Any]] = []  # (when, /v1/stats inference.device_process)
     with httpx.Client(base_url=server.url, timeout=600) as client:
-        before_job = client.get("/v1/stats").json()["inference"].get("device_process") or {}
+        before_job = client.get("/v1/stats").json()["inference"]["device_process"]
         posted, posted_at = time.monotonic(), time.time()
         response = client.post(
             "/v1/warmup",
@@ -715,8 +715,7 @@ def run_job(server: Server, fleet: Path, full: int) -> dict[str, Any]:
     # (its wait counts from that answer): the window opens after it. The first sample with
     # rows indexed may not show it yet (a worker's /v1/stats reads the engine's facts as of
     # its last ping): from such a sample, a job of 2.5 s read 9.4 s of waiting.
-    opened = before_job.get("batches", -1)
-    answered = [c for c in children if c[1] and c[1]["batches"] > opened]
+    answered = [c for c in children if answered_since(before_job, c[1])]
     device = device_child(answered[0], answered[-1]) if len(answered) > 1 else None
     return {
         **job,
@@ -735,9 +734,15 @@ def first_answered(server: Server, before: Any, until: float) -> tuple[float, An
     ``until``."""
     while True:
         when, now = time.monotonic(), server.stats()["inference"]["device_process"]
-        if not (now and before) or now["batches"] > before["batches"] or when >= until:
+        if not now or answered_since(before, now) or when >= until:
             return when, now
         time.sleep(0.05)
+
+
+def answered_since(before: Any, now: Any) -> bool:
+    """Whether the device child's stats ``now`` count more batches answered than ``before``
+    (None: no device child then, so any answered batch counts; ``now`` None: none now)."""
+    return bool(now) and now["batches"] > (before or {}).get("batches", -1)
 
 
 def device_child(first: tuple[float, Any], last: tuple[float, Any]) -> dict[str, Any] | None:
@@ -1268,7 +1273,7 @@ def report(rows: list[dict[str, Any]], batcher: float | None, args: argparse.Nam
                 )
             print(
                 f"\nwhere the job alone's CPU went ({r['layout']}, on "
-                f"{r['warmup']['job_cores']} cores, {r['warmup']['cpu_s']:.1f} s "
+                f"{job} cores, {r['warmup']['cpu_s']:.1f} s "
                 "from its POST to its end, its processes' start included):"
             )
             print_table(
