@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -244,10 +243,16 @@ class EngineRouter:
         return await self._answering().hit_texts(own)
 
     async def wait_up(self, timeout_s: float) -> bool:
-        """Until any engine process answers (at most ``timeout_s``)."""
-        deadline = time.monotonic() + timeout_s
-        while not any(e.client.up for e in self.engines):
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(0.05)
-        return True
+        """Until any engine process answers (at most ``timeout_s``), as the first ping's
+        answer comes: a poll every 50 ms held each reader of a warm-up job that long at its
+        start (and a worker's readiness)."""
+        waits = {asyncio.ensure_future(e.client.wait_up(timeout_s)) for e in self.engines}
+        try:
+            while waits:
+                done, waits = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                if any(task.result() for task in done):
+                    return True
+            return False
+        finally:
+            for task in waits:
+                task.cancel()

@@ -11,6 +11,7 @@ request, and takes its share again once it is back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -258,6 +259,46 @@ def router(*clients: StubClient, policy: str = "hash") -> EngineRouter:
 
 def route(engines: EngineRouter, texts: list[str]) -> Flown:
     return asyncio.run(engines.embed(texts, lane="dispatch", caller="dispatch", ttl_s={}))
+
+
+class StartingClient(StubClient):
+    """Down until ``answer()``: its ``wait_up`` returns as its first ping's answer comes (or
+    False at its timeout), as ``RpcClient``'s does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = False
+        self._answered = asyncio.Event()
+
+    def answer(self) -> None:
+        self.up = True
+        self._answered.set()
+
+    async def wait_up(self, timeout_s: float) -> bool:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._answered.wait()
+        return self.up
+
+
+def test_the_router_is_up_as_the_first_engine_answers_not_at_its_next_poll() -> None:
+    """A warm-up job's readers and the workers wait for an engine before their first call:
+    the router returns in the turns after an engine's first answer (it polled every 50 ms),
+    whichever engine answers, and says False when none does in time."""
+
+    async def test() -> None:
+        a, b = StartingClient(), StartingClient()
+        waiting = asyncio.create_task(router(a, b).wait_up(30.0))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not waiting.done()
+        b.answer()
+        for _ in range(5):  # no clock: loop turns only
+            await asyncio.sleep(0)
+        assert waiting.done() and waiting.result() is True
+        assert await router(StartingClient(), StartingClient()).wait_up(0.05) is False
+
+    asyncio.run(test())
 
 
 def test_rows_come_back_in_input_order_from_both_engines() -> None:
