@@ -28,12 +28,9 @@ Threading model::
     event loop, so the engine thread goes from one forward to the next while the loop is busy
     (on the H200, under 8 workers' load, the loop's turns between a forward's end and the
     next batch's hand-off left the GPU idle while full batches queued). At most ``AHEAD``
-    batches are handed over that the engine has not started, and while dispatch texts come
-    (one within ``dispatch_quiet_s``) only one of them may hold warm-up items: a dispatch
-    item that arrives after a warm-up batch was formed early waits for at most one more
-    forward (that batch's), as without the overlap. A job alone has both (a device child
-    then holds two batches behind the one it runs, and the engine process's hand-over of
-    the next has two forwards' time, not one). Only full batches
+    batches are handed over that the engine has not started, and only one of them may hold
+    warm-up items: a dispatch item that arrives after a warm-up batch was formed early waits
+    for at most one more forward (that batch's), as without the overlap. Only full batches
     are formed early, so max_delay behaves as without it. The engine thread starting on a
     batch wakes the worker (a slot ahead is free), and its outcome resolves the requests in
     the loop's next turn: no task or wrapped future between (each layer cost a turn, and a
@@ -83,7 +80,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -114,8 +110,6 @@ logger = logging.getLogger(__name__)
 
 LANES = ("dispatch", "warmup")  # priority order: a batch takes dispatch items first
 AHEAD = 2  # batches handed over that the engine has not started on yet, at most
-# Both of them may hold warm-up items once no dispatch text came for this long (a job alone)
-DISPATCH_QUIET_S = 0.1
 # Warm-up texts of like length go together (``Batcher._take_shortest``): a batch takes the
 # shortest among the warm-up lane's first requests holding this many batches of texts, ...
 SHORTEST_WINDOW = 2
@@ -236,9 +230,7 @@ class Batcher:
     runs it. ``max_batch_tokens`` (None: no budget) bounds each forward's size x padded
     sequence length. ``by_length``: warm-up texts of like padded length batched together
     (``_take_shortest``); off, in submission order as before 2026-12-06 (the baseline of
-    ``bench/warmup_batch_bench.py``). ``dispatch_quiet_s``: how long after the last dispatch
-    submission both batches formed ahead may hold warm-up items (the threading model above).
-    Observers, called on the event loop:
+    ``bench/warmup_batch_bench.py``). Observers, called on the event loop:
     ``on_queue_wait(lane, seconds)`` for every request slice the engine starts on;
     ``on_sent(tag, count)`` with the submission's ``tag`` as the engine thread starts on its
     texts (where ``items`` counts them); ``on_batch_done()`` after every batch, failed or
@@ -254,7 +246,6 @@ class Batcher:
         max_queue: int = 100_000,
         max_batch_tokens: int | None = None,
         by_length: bool = True,
-        dispatch_quiet_s: float = DISPATCH_QUIET_S,
         window: int = 1024,
         on_queue_wait: QueueWaitObserver | None = None,
         on_sent: SentObserver | None = None,
@@ -270,7 +261,6 @@ class Batcher:
         self.max_queue = max_queue
         self.max_batch_tokens = max_batch_tokens
         self.by_length = by_length
-        self.dispatch_quiet_s = dispatch_quiet_s
         self.on_queue_wait = on_queue_wait
         self.on_sent = on_sent
         self.on_batch_done = on_batch_done
@@ -283,7 +273,6 @@ class Batcher:
         self._reruns: set[asyncio.Task[None]] = set()  # failed batches' requests run alone
         self._waiting_engine: dict[int, int] = {}  # batch -> its items, until the engine starts
         self._handed = 0  # batches handed to the engine thread so far (their keys)
-        self._dispatch_at = -math.inf  # monotonic: the last dispatch submission
         self._claim = threading.Lock()  # the engine thread taking slices | _expire
         self._executor: ThreadPoolExecutor | None = None
         self._tokenizer: ThreadPoolExecutor | None = None
@@ -465,8 +454,6 @@ class Batcher:
             order,
         )
         self._lanes[lane].append(request)
-        if lane == "dispatch":
-            self._dispatch_at = time.monotonic()
         self._queued += len(texts)
         self._lane_waiting[lane] += len(texts)
         self._poke()
@@ -554,11 +541,9 @@ class Batcher:
 
     def _take_ahead(self, first: bool) -> list[_Slice]:
         """The next batch to tokenize while the engine runs, if it is full: of either lane
-        when it is the ``first`` the engine has not started on or when no dispatch text came
-        for ``dispatch_quiet_s`` (a job alone), else of dispatch items only (while dispatch
-        texts come, at most one batch formed early holds warm-up items)."""
-        quiet = time.monotonic() - self._dispatch_at >= self.dispatch_quiet_s
-        lanes = LANES if first or quiet else LANES[:1]
+        when it is the ``first`` the engine has not started on, else of dispatch items only
+        (at most one batch formed early holds warm-up items)."""
+        lanes = LANES if first else LANES[:1]
         if sum(self._lane_waiting[lane] for lane in lanes) < self.max_batch_size:
             return []
         return self._take(lanes)

@@ -467,12 +467,9 @@ def test_full_dispatch_batch_is_tokenized_ahead_while_the_engine_is_busy() -> No
 
 
 def test_full_warmup_batch_is_tokenized_ahead_and_dispatch_waits_one_forward_at_most() -> None:
-    """While dispatch texts come (one within ``dispatch_quiet_s``: "first"), one batch
-    formed ahead holds warm-up items, so a dispatch item that comes next waits one forward."""
-
     async def test() -> None:
         engine = ThreadRecordingEngine(hold=True)
-        async with Batcher(engine, max_batch_size=4, dispatch_quiet_s=60) as batcher:
+        async with Batcher(engine, max_batch_size=4) as batcher:
             first = spawn(batcher.submit(["first"]))
             await engine_busy(engine)
             warm = spawn(batcher.submit([f"w{i}" for i in range(8)], lane="warmup"))
@@ -490,26 +487,6 @@ def test_full_warmup_batch_is_tokenized_ahead_and_dispatch_waits_one_forward_at_
             ["w7"],
         ]
         np.testing.assert_array_equal(results[1], engine.expected([f"w{i}" for i in range(8)]))
-
-    run(test)
-
-
-def test_a_job_alone_has_two_warm_up_batches_formed_ahead() -> None:
-    """No dispatch text within ``dispatch_quiet_s``: both batches formed ahead hold warm-up
-    items (a device child holds two behind the one it runs; the test before: while dispatch
-    texts come, one)."""
-
-    async def test() -> None:
-        engine = ThreadRecordingEngine(hold=True)
-        async with Batcher(engine, max_batch_size=2, dispatch_quiet_s=60) as batcher:
-            warm = spawn(batcher.submit([f"w{i}" for i in range(7)], lane="warmup"))
-            await engine_busy(engine)  # [w0, w1]
-            await until(lambda: len(engine.tokenized_on) == 3)  # [w2, w3] and [w4, w5]
-            assert batcher.stats().batches == 3 and batcher.waiting_engine == 4
-            engine.release()
-            np.testing.assert_array_equal(await warm, engine.expected([f"w{i}" for i in range(7)]))
-        assert engine.tokenized_on[1:3] == ["tokenizer_0", "tokenizer_0"]
-        assert engine.batches == [["w0", "w1"], ["w2", "w3"], ["w4", "w5"], ["w6"]]
 
     run(test)
 
@@ -706,7 +683,7 @@ def test_the_next_batch_is_handed_over_before_the_last_one_s_submitters_resume()
 
     async def test() -> None:
         engine = ThreadRecordingEngine(hold=True)
-        async with Batcher(engine, max_batch_size=2, dispatch_quiet_s=60) as batcher:
+        async with Batcher(engine, max_batch_size=2) as batcher:
             seen: list[int] = []
 
             async def first() -> None:
